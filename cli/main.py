@@ -37,8 +37,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import inspect_cmd
+    from . import inspect_cmd, run_cmd
 
+    cli.add_command(run_cmd.run)
     cli.add_command(inspect_cmd.inspect)
 
 

@@ -1,0 +1,100 @@
+"""`specrun run` (the default command): one-shot generation, streamed to stdout."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import sys
+from dataclasses import replace
+
+import click
+
+from .common import err_console, handle_errors, resolve, setup_logging
+from .options import engine_params, model_options, sampling_options, sampling_params, spec_options
+
+
+def read_prompt(prompt: str | None, file: str | None) -> str:
+    if prompt is not None and file is not None:
+        raise click.UsageError("give the prompt with -p or -f, not both")
+    if file is not None:
+        try:
+            with open(file, encoding="utf-8") as fh:
+                return fh.read()
+        except OSError as e:
+            raise click.BadParameter(f"cannot read {file}: {e.strerror}", param_hint="-f/--file") from None
+        except UnicodeDecodeError:
+            raise click.BadParameter(f"{file} is not UTF-8 text", param_hint="-f/--file") from None
+    if prompt is None:
+        if not sys.stdin.isatty():
+            return sys.stdin.read()
+        raise click.UsageError("no prompt: give one with -p TEXT or -f FILE (or pipe it on stdin)")
+    return prompt
+
+
+def load_engine(kw: dict):
+    """Resolve the model names, build the engine with a transient status line on stderr."""
+    from specrun.kernels.engine import Engine
+
+    params = engine_params(kw)
+    model = resolve(kw["model"])
+    if params.draft_model:
+        params = replace(params, draft_model=str(resolve(params.draft_model)))
+    with err_console.status(f"loading {model.name}", spinner="dots"):
+        return Engine(str(model), params)
+
+
+class TextStream:
+    """Token pieces -> text, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, tokens) -> str:
+        return self.dec.decode(b"".join(self.model.piece(t) for t in tokens if not self.model.is_eog(t)))
+
+    def flush(self) -> str:
+        return self.dec.decode(b"", final=True)
+
+
+@click.command("run")
+@model_options
+@spec_options
+@sampling_options
+@click.option("-p", "--prompt", default=None, help="the prompt text")
+@click.option("-f", "--file", "file", default=None, help="read the prompt from a file")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, tokens, stats) instead")
+@handle_errors
+def run(prompt, file, as_json, **kw):
+    """Generate text from a prompt (streamed to stdout; statistics on stderr)."""
+    setup_logging(kw["verbose"])
+    text = read_prompt(prompt, file)
+    sampling = sampling_params(kw)
+    with load_engine(kw) as engine:
+        prompt_tokens = engine.tokenize(text)
+        stream = TextStream(engine.model)
+        out_tokens: list[int] = []
+        pieces: list[str] = []
+        try:
+            for toks in engine.generate(prompt_tokens, kw["n_predict"], sampling):
+                out_tokens.extend(toks)
+                s = stream.push(toks)
+                if as_json:
+                    pieces.append(s)
+                elif s:
+                    sys.stdout.write(s)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            engine.stats.stop = "interrupted"
+        tail = stream.flush()
+        st = engine.stats
+        if as_json:
+            pieces.append(tail)
+            json.dump({"text": "".join(pieces), "tokens": out_tokens, "n_prompt": len(prompt_tokens),
+                       "stats": st.to_dict()}, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(tail + "\n")
+            sys.stdout.flush()
+            for line in st.lines():
+                err_console.print(line, markup=False)

@@ -1,0 +1,120 @@
+"""`draft-mtp`: the Multi-Token-Prediction heads stored in the GGUF draft for the model itself.
+
+Sequence as llama.cpp's common_speculative_impl_draft_mtp (see ../shared/MTP_NOTES.md):
+  * The MTP row at position p carries token x_p and the target's hidden row h_{p-1} (its
+    final-norm output); its logits predict x_{p+1}. h_{-1} is zeros.
+  * observe(): every target decode whose rows stay in the KV feeds the MTP context the same
+    positions, so its KV covers the whole sequence.
+  * propose(): from (id_last, n_past, h_{n_past-1}) chain the MTP's own hidden row through up to
+    n_max steps, then drop the draft rows from the MTP KV again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import numpy as np
+
+from specrun.gguf_spec.errors import SpecrunError
+
+from .draft_model import _DRAFT_STREAM, softmax_max
+from .llama import Context, ContextParams, Model
+from .sampling import position_rng, transform
+from .types import Draft, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class DraftMTP:
+    spec_type: ClassVar[str] = "draft-mtp"
+
+    def __init__(self, engine, heads_path: str | None = None) -> None:
+        self.p_min = engine.params.spec.p_min
+        self._own_model = heads_path is not None
+        if heads_path is not None:
+            self.model = Model(heads_path, exact=engine.params.exact, load_mtp=True)
+            if self.model.n_layer_nextn <= 0:
+                self.model.close()
+                raise SpecrunError(f"{heads_path}: no MTP heads in this file; write one with "
+                                   "`specrun extract-mtp MODEL.gguf -o HEADS.gguf`")
+            if self.model.n_embd_out != engine.model.n_embd_out or self.model.n_vocab != engine.model.n_vocab:
+                raise SpecrunError(f"{heads_path}: MTP heads of width {self.model.n_embd_out} / vocab "
+                                   f"{self.model.n_vocab} do not fit the target ({engine.model.n_embd_out} / "
+                                   f"{engine.model.n_vocab}); extract the heads from this model's own GGUF")
+        else:
+            self.model = engine.model
+        self.n_heads = self.model.n_layer_nextn
+        self.ctx = Context(self.model, ContextParams(
+            n_ctx=engine.n_ctx, n_batch=engine.ctx.n_batch, n_threads=engine.params.n_threads,
+            mtp=True, nextn="outputs"), ctx_other=engine.ctx)
+        if self.n_heads > 1:
+            from llama_cpp import llama_cpp_ext as X
+            self._set_head = lambda i: X.llama_set_nextn_layer_offset(self.ctx.ptr, min(i, self.n_heads - 1))
+        else:
+            self._set_head = None
+        E = self.model.n_embd_out
+        self.H = np.zeros((engine.n_ctx + 1, E), dtype=np.float32)   # [n_ctx + 1, E]: H[p + 1] = h_p
+        self.fed: list[int] = []      # tokens in the MTP KV at positions 0..len-1
+        self.sampling: SamplingParams | None = None
+
+    def close(self) -> None:
+        self.ctx.close()
+        if self._own_model:
+            self.model.close()
+
+    def begin(self, prompt: np.ndarray) -> None:
+        pass  # positions are synchronised in observe()
+
+    def observe(self, tp, n_keep: int) -> None:
+        """The target decoded tp.tokens at tp.pos0..; its first n_keep rows stay in the KV."""
+        p0 = tp.pos0
+        if p0 < len(self.fed):
+            if not self.ctx.seq_rm(p0, -1):
+                raise SpecrunError(f"MTP context could not roll back to {p0} tokens")
+            del self.fed[p0:]
+        if p0 > len(self.fed):
+            # positions the MTP never saw (heads switched on mid-conversation): their target hidden
+            # rows are unknown, so the MTP KV cannot be completed; drafting stays off until reset.
+            log.info("draft-mtp: %d positions without hidden rows; drafting paused", p0 - len(self.fed))
+            return
+        self.H[p0 + 1: p0 + 1 + n_keep] = tp.hidden[:n_keep]
+        toks = tp.tokens[:n_keep]
+        for s in range(0, n_keep, self.ctx.n_batch):
+            n = min(self.ctx.n_batch, n_keep - s)
+            if self._set_head:
+                self._set_head(0)
+            self.ctx.decode_with_hidden(toks[s:s + n], p0 + s, self.H[p0 + s: p0 + s + n], output_last=False)
+        self.fed.extend(int(t) for t in toks)
+
+    def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
+        n_past = len(ctx) - 1                    # position of id_last
+        if len(self.fed) != n_past or n_past + n_max >= self.ctx.n_ctx:
+            return Draft.empty()
+        sampled = self.sampling is not None and not self.sampling.greedy
+        tok = int(ctx[-1])
+        h = self.H[n_past: n_past + 1]           # h_{n_past - 1}, [1, E]
+        toks: list[int] = []
+        qs: list[np.ndarray] = []
+        for i in range(n_max):
+            if self._set_head:
+                self._set_head(i)
+            self.ctx.decode_with_hidden([tok], n_past + i, h, output_last=True)
+            lg = self.ctx.logits_rows()[0]
+            if sampled:
+                q = transform(lg, self.sampling)
+                u = position_rng(self.sampling.seed, n_past + 1 + i, _DRAFT_STREAM).random()
+                tok = int(min(np.searchsorted(np.cumsum(q), u * q.sum(), side="right"), len(q) - 1))
+                qs.append(q.astype(np.float32))
+            else:
+                tok, p = softmax_max(lg) if self.p_min > 0 else (int(np.argmax(lg)), 1.0)
+                if p < self.p_min:
+                    break
+            toks.append(tok)
+            h = self.ctx.nextn_ith(0).reshape(1, -1).copy()
+        if not self.ctx.seq_rm(n_past, -1):
+            raise SpecrunError(f"MTP context could not drop its draft rows after position {n_past}")
+        return Draft(np.asarray(toks, dtype=np.int32), np.stack(qs) if qs else None)
+
+    def accept(self, n_accepted: int, emitted: np.ndarray) -> None:
+        pass  # the kept rows arrive through observe()

@@ -1,0 +1,327 @@
+"""The speculative generation loop over one target context.
+
+    id_last = sample(prefill(prompt))                      # position n_past = len(prompt)
+    loop:
+        draft   = first non-empty proposal of the drafters  # llama.cpp's order: n-grams first
+        logits  = target.decode([id_last, d1..dk])          # ONE pass, k+1 output rows
+        verdict = verify(draft, logits)                     # accepted d1..dn + one target token
+        target.seq_rm(n_past + n + 1)                       # roll back the rejected rows
+        emit verdict.tokens; id_last = verdict.tokens[-1]
+
+Every emitted token at absolute position pos takes its random draw from a stream keyed by
+(seed, pos), and in exact mode the verify rows are bit-identical to one-token decoding, so the
+output equals `--spec-type none` token for token.
+
+The engine also keeps the conversation's KV cache between calls: a new prompt that extends the
+tokens already in the cache only evaluates the new tokens (chat turns).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from specrun.gguf_spec.errors import SpecrunError
+
+from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
+from .sampling import sample
+from .stats import DrafterStats, GenStats
+from .types import LLAMA_DEFAULT_SEED, Draft, SamplingParams
+from .verify import verify
+
+log = logging.getLogger(__name__)
+
+SPEC_TYPES = ("none", "draft-simple", "draft-mtp", "ngram-simple")
+SPEC_ALIASES = {"draft": "draft-simple"}
+_ORDER = {"ngram-simple": 0, "draft-simple": 1, "draft-mtp": 2}  # llama.cpp: n-grams first
+
+
+def parse_spec_types(text: str) -> tuple[str, ...]:
+    """'ngram-simple,draft' -> ('ngram-simple', 'draft-simple'), in llama.cpp's order."""
+    out: list[str] = []
+    for raw in (t.strip() for t in text.split(",")):
+        name = SPEC_ALIASES.get(raw, raw)
+        if name not in SPEC_TYPES:
+            valid = ", ".join([*SPEC_TYPES, *SPEC_ALIASES])
+            raise SpecrunError(f"unknown spec type '{raw}'; valid types: {valid}")
+        if name != "none" and name not in out:
+            out.append(name)
+    return tuple(sorted(out, key=_ORDER.__getitem__))
+
+
+@dataclass(frozen=True, slots=True)
+class SpecParams:
+    """llama.cpp's --spec-* options (defaults as its common.h)."""
+
+    types: tuple[str, ...] = ()
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.0
+    ngram_size_n: int = 12
+    ngram_size_m: int = 48
+    ngram_min_hits: int = 1
+    verify: str = "auto"       # auto | match | rejection
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParams:
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_threads: int = 0
+    exact: bool = True
+    spec: SpecParams = field(default_factory=SpecParams)
+    draft_model: str | None = None     # -md: a draft GGUF (draft-simple) or MTP heads (draft-mtp)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetPass:
+    """One target decode: tokens int32 [n] at positions pos0..; hidden float32 [n, n_embd_out]
+    (the rows MTP heads read) or None when no drafter needs them. Views valid until the next decode."""
+
+    tokens: np.ndarray
+    pos0: int
+    hidden: np.ndarray | None
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    a = np.asarray(a[:n]); b = np.asarray(b[:n])
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else n
+
+
+class Engine:
+    """A target model and context, plus the drafters of the chosen spec types.
+
+    generate(prompt, n_predict, sampling) yields lists of emitted tokens as they are accepted;
+    self.stats holds the statistics of the last generation (also when it was interrupted).
+    """
+
+    def __init__(self, model_path: str, params: EngineParams = EngineParams(), *,
+                 drafters: Sequence | None = None) -> None:
+        self.params = params
+        spec = params.spec
+        n_max = self.max_draft(spec.n_max)
+        # draft-mtp reads the heads of the main GGUF, or of -md HEADS.gguf when no draft model uses -md
+        needs_mtp = "draft-mtp" in spec.types and not (params.draft_model and "draft-simple" not in spec.types)
+        self.model = Model(model_path, exact=params.exact, load_mtp=needs_mtp)
+        if needs_mtp and self.model.n_layer_nextn <= 0:
+            self.close()
+            raise SpecrunError(f"{model_path}: the model has no MTP heads, so --spec-type draft-mtp is not "
+                               f"available; run `specrun inspect {model_path}` to see what it holds, "
+                               "or pass MTP heads with -md HEADS.gguf")
+        n_ctx = params.n_ctx or self.model.n_ctx_train
+        self.ctx = Context(self.model, ContextParams(
+            n_ctx=n_ctx, n_batch=max(params.n_batch, n_max + 1), n_threads=params.n_threads,
+            n_rs_seq=n_max if spec.types else 0,
+            nextn="all" if "draft-mtp" in spec.types else None))
+        self.n_ctx = self.ctx.n_ctx
+        self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
+        self.drafters = list(drafters) if drafters is not None else self._make_drafters()
+        self.stats = GenStats()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def max_draft(self, n_max: int) -> int:
+        return min(n_max, MAX_EXACT_BATCH - 1) if self.params.exact else n_max
+
+    def _make_drafters(self) -> list:
+        spec, out = self.params.spec, []
+        for t in spec.types:
+            if t == "ngram-simple":
+                from .ngram import NgramSimple
+                out.append(NgramSimple(spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits))
+            elif t == "draft-simple":
+                if not self.params.draft_model:
+                    raise SpecrunError("--spec-type draft needs a draft model: add -md DRAFT.gguf "
+                                       "(a small model of the same family)")
+                from .draft_model import DraftModel
+                out.append(DraftModel(self, self.params.draft_model))
+            elif t == "draft-mtp":
+                from .draft_mtp import DraftMTP
+                heads = self.params.draft_model if "draft-simple" not in spec.types else None
+                out.append(DraftMTP(self, heads))
+        return out
+
+    def close(self) -> None:
+        for d in getattr(self, "drafters", []):
+            if hasattr(d, "close"):
+                d.close()
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.close()
+        if getattr(self, "model", None) is not None:
+            self.model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def tokenize(self, text: str, add_special: bool = True) -> np.ndarray:
+        return self.model.tokenize(text, add_special=add_special)
+
+    def reset(self) -> None:
+        self.ctx.clear()
+        self.kv_tokens = []
+
+    # -- target passes -----------------------------------------------------------------------
+    def _decode(self, tokens: np.ndarray, pos0: int, logits: str) -> TargetPass:
+        self.ctx.decode(tokens, pos0, logits)
+        hidden = self.ctx.nextn_rows() if self.ctx.params.nextn else None
+        return TargetPass(np.asarray(tokens, dtype=np.int32), pos0, hidden)
+
+    def _observe(self, tp: TargetPass, n_keep: int) -> None:
+        for d in self.drafters:
+            if hasattr(d, "observe"):
+                d.observe(tp, n_keep)
+
+    def _prefill(self, prompt: np.ndarray) -> np.ndarray:
+        """Bring the KV cache to prompt[:-0] and return the logits row of the last prompt token."""
+        n = len(prompt)
+        keep = min(_lcp(self.kv_tokens, prompt), n - 1)
+        if keep < len(self.kv_tokens) and not self.ctx.seq_rm(keep, -1):
+            log.info("cannot roll back the memory to %d tokens; re-evaluating the prompt", keep)
+            self.ctx.clear()
+            keep = 0
+        self.kv_tokens = list(prompt[:keep])
+        for d in self.drafters:
+            d.begin(prompt)
+        self.stats.n_prompt = n - keep
+        last = None
+        for s in range(keep, n, self.ctx.n_batch):
+            chunk = prompt[s:s + self.ctx.n_batch]
+            tp = self._decode(chunk, s, "last" if s + len(chunk) == n else "none")
+            self._observe(tp, len(chunk))
+            self.kv_tokens.extend(int(t) for t in chunk)
+            last = self.ctx.logits_rows()[-1] if s + len(chunk) == n else None
+        return last
+
+    # -- the loop ----------------------------------------------------------------------------
+    def resolve_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        if sampling.seed == LLAMA_DEFAULT_SEED:
+            return replace(sampling, seed=random.SystemRandom().randrange(0, 2**32 - 1))
+        return sampling
+
+    def verify_mode(self, sampling: SamplingParams, draft: Draft) -> str:
+        mode = self.params.spec.verify
+        if mode == "auto":
+            mode = "rejection" if not sampling.greedy and draft.probs is not None else "match"
+        return mode
+
+    def generate(self, prompt: Sequence[int], n_predict: int = -1,
+                 sampling: SamplingParams = SamplingParams(), *,
+                 n_max: int | None = None) -> Iterator[list[int]]:
+        """Yield emitted tokens (lists, in order) until end-of-generation, n_predict tokens
+        (-1: until the context is full) or the context is full.
+
+        requires: 1 <= len(prompt) < n_ctx.  The random draw of the token at absolute
+        position pos comes from the stream (sampling.seed, pos): seeded output is reproducible
+        and independent of the spec type.
+        """
+        prompt = np.asarray(prompt, dtype=np.int32)
+        if len(prompt) == 0:
+            raise SpecrunError("the prompt is empty; give some text with -p or -f")
+        if len(prompt) >= self.n_ctx:
+            raise SpecrunError(f"the prompt exceeds the context size ({len(prompt)} tokens, ctx {self.n_ctx}); "
+                               "raise -c or shorten the prompt")
+        spec = self.params.spec
+        n_max = self.max_draft(spec.n_max if n_max is None else n_max)
+        sampling = self.resolve_sampling(sampling)
+        sample_drafts = spec.verify in ("auto", "rejection") and not sampling.greedy
+        for d in self.drafters:
+            if hasattr(d, "sampling"):
+                d.sampling = sampling if sample_drafts else None
+        st = self.stats = GenStats(n_prompt_total=len(prompt), exact=self.params.exact, seed=sampling.seed,
+                                   drafters=[DrafterStats(d.spec_type) for d in self.drafters])
+        limit = n_predict if n_predict >= 0 else self.n_ctx
+        ctx_tokens = list(prompt)
+        n_emitted = 0
+        t0 = time.perf_counter()
+        t_gen0 = None
+        try:
+            if limit == 0:
+                st.stop = "n_predict"
+                return
+            logits = self._prefill(prompt)
+            n_past = len(prompt)
+            id_last = sample(logits, sampling, n_past)
+            t_gen0 = time.perf_counter()
+            st.t_prompt_s = t_gen0 - t0
+            ctx_tokens.append(id_last)
+            n_emitted = 1
+            yield [id_last]
+            if self.model.is_eog(id_last):
+                st.stop = "eog"
+                return
+            while True:
+                if n_emitted >= limit:
+                    st.stop = "n_predict"
+                    return
+                if n_past + 1 > self.n_ctx - 1:
+                    st.stop = "ctx"
+                    return
+                k_cap = min(n_max, limit - n_emitted - 1, self.n_ctx - n_past - 2)
+                draft, which = Draft.empty(), -1
+                if k_cap > 0:
+                    ctx_arr = np.asarray(ctx_tokens, dtype=np.int32)
+                    for i, d in enumerate(self.drafters):
+                        td = time.perf_counter()
+                        st.drafters[i].n_call_draft += 1
+                        dd = d.propose(ctx_arr, k_cap)
+                        st.drafters[i].t_draft_s += time.perf_counter() - td
+                        if len(dd) > k_cap:
+                            dd = Draft(dd.tokens[:k_cap], None if dd.probs is None else dd.probs[:k_cap])
+                        if len(dd) > 0 and len(dd) >= spec.n_min:
+                            draft, which = dd, i
+                            break
+                k = len(draft)
+                batch = np.empty(k + 1, dtype=np.int32)
+                batch[0] = id_last
+                batch[1:] = draft.tokens
+                tp = self._decode(batch, n_past, "all")
+                st.n_target_passes += 1
+                mode = self.verify_mode(sampling, draft)
+                st.verify = mode
+                verdict = verify(draft, self.ctx.logits_rows(), sampling, n_past + 1, mode)
+                n_acc = verdict.n_accepted
+                keep = n_past + n_acc + 1
+                if n_acc < k and not self.ctx.seq_rm(keep, -1):
+                    raise LlamaError(f"could not roll the KV cache back to {keep} tokens after a partial "
+                                     f"accept ({n_acc}/{k}); n_rs_seq = {self.ctx.params.n_rs_seq}")
+                self.kv_tokens.extend(int(t) for t in batch[:n_acc + 1])
+                self._observe(tp, n_acc + 1)
+                if which >= 0:
+                    st.drafters[which].record(k, n_acc)
+                for i, d in enumerate(self.drafters):
+                    d.accept(n_acc if i == which else 0, verdict.tokens)
+                out = [int(t) for t in verdict.tokens]
+                n_past = keep
+                id_last = out[-1]
+                stop = None
+                for j, t in enumerate(out):
+                    if self.model.is_eog(t):
+                        out, stop = out[:j + 1], "eog"
+                        break
+                if n_emitted + len(out) > limit:
+                    out, stop = out[:limit - n_emitted], "n_predict"
+                ctx_tokens.extend(out)
+                n_emitted += len(out)
+                yield out
+                if stop:
+                    st.stop = stop
+                    return
+        except GeneratorExit:
+            st.stop = "interrupted"
+            raise
+        finally:
+            st.n_gen = n_emitted
+            if t_gen0 is not None:
+                st.t_gen_s = time.perf_counter() - t_gen0
+            else:
+                st.t_prompt_s = time.perf_counter() - t0
+

@@ -1,0 +1,377 @@
+"""Thin, checked wrappers over llama-cpp-python's low-level API: a model, a context, a batch.
+
+Handles close exactly once (idempotent ``close()``, also on garbage collection); every native
+return code is checked and turned into a SpecrunError carrying the numbers.
+
+Exact mode (the default) configures llama.cpp so that a position's logits are bit-identical
+whether it is decoded alone or inside a verify batch of up to 63 rows (../shared/EXACTNESS_NOTES.md):
+weights are not repacked (``use_extra_bufts=False``), the tiled K-quant matmul is off
+(``GGML_CPU_TILED_MM=0``, read once per process at the first matmul), flash attention is on
+and the KV cache is Q8_0 (so one-token decodes never take flash attention's split-KV path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrun.gguf_spec.errors import SpecrunError
+
+log = logging.getLogger(__name__)
+
+# Must be in the environment before llama.cpp's first matmul; see module docstring.
+_TILED_ENV = "GGML_CPU_TILED_MM"
+MAX_EXACT_BATCH = 63  # flash attention switches to its tiled kernel at 64 query rows
+
+import llama_cpp as L  # noqa: E402  (after the module docstring's contract; imports the native lib)
+from llama_cpp import llama_cpp_ext as X  # noqa: E402
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_exact_process: bool | None = None  # whether this process runs with the tiled matmul off
+
+
+class LlamaError(SpecrunError):
+    """A llama.cpp call failed (bad model file, out of context, native error code)."""
+
+
+# ---- logging ---------------------------------------------------------------------------------
+
+_llama_log = logging.getLogger("llama.cpp")
+_LEVELS = {2: logging.ERROR, 3: logging.WARNING, 4: logging.INFO, 5: logging.DEBUG, 1: logging.DEBUG}
+
+
+@L.llama_log_callback
+def _log_callback(level, text, user_data):  # pragma: no cover - called from C
+    if _llama_log.isEnabledFor(logging.DEBUG):
+        msg = text.decode("utf-8", errors="replace").rstrip("\n")
+        if msg:
+            _llama_log.debug(msg)
+
+
+def _ensure_backend(exact: bool) -> None:
+    global _backend_ready, _exact_process
+    with _backend_lock:
+        if _exact_process is None:
+            if exact:
+                os.environ[_TILED_ENV] = "0"
+            _exact_process = os.environ.get(_TILED_ENV, "1") == "0"
+        if not _backend_ready:
+            L.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            L.llama_backend_init()
+            _backend_ready = True
+
+
+def exact_available() -> bool:
+    """Whether this process can still run bit-exact (the tiled matmul switch is read once)."""
+    return _exact_process in (None, True)
+
+
+# ---- model -----------------------------------------------------------------------------------
+
+
+class Model:
+    """A loaded GGUF. ``load_mtp=True`` also loads the nextn (MTP) blocks, required before any
+    MTP context is created (llama.cpp aborts the process otherwise)."""
+
+    def __init__(self, path: str | os.PathLike, *, exact: bool = True, load_mtp: bool = False,
+                 use_mmap: bool = True) -> None:
+        _ensure_backend(exact)
+        self.path = str(path)
+        self.exact = exact
+        self.load_mtp = load_mtp
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        mp.use_mmap = use_mmap
+        mp.load_mtp = load_mtp
+        if exact:
+            mp.use_extra_bufts = False
+        self._ptr = L.llama_model_load_from_file(self.path.encode(), mp)
+        if not self._ptr:
+            raise LlamaError(f"{self.path}: llama.cpp could not load this model (run with -v for "
+                             f"llama.cpp's reason, or `specrun inspect {self.path}`)")
+        self.vocab = L.llama_model_get_vocab(self._ptr)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+        self.n_embd = int(L.llama_model_n_embd(self._ptr))
+        self.n_embd_out = int(L.llama_model_n_embd_out(self._ptr))
+        self.n_ctx_train = int(L.llama_model_n_ctx_train(self._ptr))
+        self.n_layer_nextn = int(L.llama_model_n_layer_nextn(self._ptr))
+        self.bos = int(L.llama_vocab_bos(self.vocab))
+        self.eos = int(L.llama_vocab_eos(self.vocab))
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self._eog = np.array([bool(L.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)])
+        self._pieces: dict[int, bytes] = {}
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise LlamaError(f"{self.path}: model already closed")
+        return self._ptr
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            L.llama_model_free(self._ptr)
+        self._ptr = None
+
+    __del__ = close
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- tokenizer --
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
+        """text -> int32 [n] token ids (with BOS if the model adds one and add_special)."""
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise LlamaError(f"tokenization failed ({n}) for a text of {len(data)} bytes")
+        return np.frombuffer(buf, dtype=np.int32, count=n).copy()
+
+    def piece(self, token: int) -> bytes:
+        """The bytes a token renders to (control tokens render as nothing)."""
+        p = self._pieces.get(token)
+        if p is None:
+            buf = ctypes.create_string_buffer(64)
+            n = L.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
+            p = buf.raw[:n]
+            self._pieces[token] = p
+        return p
+
+    def detokenize(self, tokens) -> str:
+        return b"".join(self.piece(int(t)) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._eog[token])
+
+    def chat_template(self) -> str | None:
+        p = L.llama_model_chat_template(self.ptr, None)
+        return p.decode("utf-8") if p else None
+
+
+# ---- context ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ContextParams:
+    n_ctx: int = 4096           # 0: the model's training context
+    n_batch: int = 2048         # largest batch one llama_decode takes (prompt chunks)
+    n_ubatch: int = 512
+    n_threads: int = 0          # 0: os.cpu_count()
+    n_threads_batch: int = 0    # 0: n_threads
+    n_rs_seq: int = 0           # recurrent-state snapshots per sequence (hybrid models' rollback)
+    mtp: bool = False           # an MTP draft context (ctx_type = LLAMA_CONTEXT_TYPE_MTP)
+    nextn: str | None = None    # export hidden rows for MTP: "all" (every row) or "outputs"
+
+
+class Context:
+    """One llama.cpp context over a Model, with a single sequence (seq 0).
+
+    ``decode(tokens, pos0, logits=...)`` evaluates tokens at positions pos0..pos0+n-1 and keeps
+    them in the KV cache; ``logits_rows(n)`` then returns the output rows in batch order.
+    """
+
+    def __init__(self, model: Model, params: ContextParams = ContextParams(),
+                 ctx_other: Context | None = None) -> None:
+        self.model = model
+        self.params = params
+        cp = L.llama_context_default_params()
+        n_threads = params.n_threads or os.cpu_count() or 1
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = min(params.n_ubatch, params.n_batch)
+        cp.n_seq_max = 1
+        cp.n_threads = n_threads
+        cp.n_threads_batch = params.n_threads_batch or n_threads
+        cp.n_rs_seq = params.n_rs_seq
+        cp.no_perf = False
+        if model.exact:
+            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            cp.type_k = L.GGML_TYPE_Q8_0
+            cp.type_v = L.GGML_TYPE_Q8_0
+        if params.mtp:
+            if not model.load_mtp or model.n_layer_nextn <= 0:
+                # llama.cpp aborts the whole process in this case; refuse before calling it.
+                raise LlamaError(f"{model.path}: no MTP heads loaded (nextn layers: {model.n_layer_nextn}); "
+                                 "see `specrun inspect` for what the file holds")
+            cp.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
+            cp.n_rs_seq = 0
+            if ctx_other is not None:
+                cp.ctx_other = ctx_other.ptr
+        self._ptr = L.llama_init_from_model(model.ptr, cp)
+        if not self._ptr:
+            raise LlamaError(f"{model.path}: llama.cpp could not create a context "
+                             f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}); try a smaller -c")
+        self.n_ctx = int(L.llama_n_ctx(self._ptr))
+        self.n_batch = params.n_batch
+        self.n_vocab = model.n_vocab
+        self.mem = L.llama_get_memory(self._ptr)
+        if params.nextn:
+            X.llama_set_embeddings_nextn(self._ptr, True, params.nextn == "outputs")
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self._batch_live = True
+        b = self._batch
+        for i in range(self.n_batch):
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)),
+                                          shape=(self.n_batch,))
+        self.n_outputs = 0
+        self.n_rows = 0
+        self._bext = None  # extended batch (MTP rows carrying hidden states), made on first use
+        # counters (all decodes of this context)
+        self.n_decode_calls = 0
+        self.n_decoded_tokens = 0
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise LlamaError("context already closed")
+        return self._ptr
+
+    def close(self) -> None:
+        if getattr(self, "_bext", None):
+            L.llama_batch_ext_free(self._bext)
+            self._bext = None
+        if getattr(self, "_batch_live", False):
+            L.llama_batch_free(self._batch)
+            self._batch_live = False
+        if getattr(self, "_ptr", None):
+            L.llama_free(self._ptr)
+        self._ptr = None
+
+    __del__ = close
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        L.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
+
+    def decode(self, tokens, pos0: int, logits: str = "last") -> None:
+        """Evaluate tokens (int [n], n <= n_batch) at positions pos0.. in seq 0.
+
+        logits: "all" (one output row per token, e.g. a verify pass), "last" or "none".
+        requires: pos0 + n <= n_ctx.  Raises LlamaError on any non-zero return code; on error
+        llama.cpp restores the memory to its state before the call.
+        """
+        n = len(tokens)
+        if n == 0:
+            return
+        if n > self.n_batch:
+            raise LlamaError(f"batch of {n} tokens exceeds n_batch {self.n_batch}")
+        if pos0 + n > self.n_ctx:
+            raise LlamaError(f"the context is full ({pos0 + n} tokens needed, ctx {self.n_ctx}); "
+                             "raise -c or shorten the prompt")
+        self._tok[:n] = tokens
+        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        if logits == "all":
+            self._out[:n] = 1
+        else:
+            self._out[:n] = 0
+            if logits == "last":
+                self._out[n - 1] = 1
+        self._batch.n_tokens = n
+        rc = L.llama_decode(self.ptr, self._batch)
+        if rc != 0:
+            raise LlamaError(f"llama_decode returned {rc} for {n} tokens at position {pos0} "
+                             f"(ctx {self.n_ctx})" + ("; the KV cache is full, raise -c" if rc == 1 else ""))
+        self.n_rows = n
+        self.n_outputs = n if logits == "all" else (1 if logits == "last" else 0)
+        self.n_decode_calls += 1
+        self.n_decoded_tokens += n
+
+    def logits_rows(self) -> np.ndarray:
+        """float32 [n_outputs, n_vocab]: the last decode's output rows in batch order.
+        A view into llama.cpp's buffer: valid until the next decode on this context."""
+        if self.n_outputs == 0:
+            raise LlamaError("the last decode produced no logits")
+        first = L.llama_get_logits_ith(self.ptr, self.n_rows - self.n_outputs)
+        if not first:
+            raise LlamaError("llama_get_logits_ith returned NULL")
+        return np.ctypeslib.as_array(first, shape=(self.n_outputs, self.n_vocab))
+
+    def nextn_rows(self) -> np.ndarray:
+        """float32 [n_rows, n_embd_out]: the hidden rows the MTP heads read, one per token of the
+        last decode (contexts created with nextn="all"). A view, valid until the next decode."""
+        p = X.llama_get_embeddings_nextn(self.ptr)
+        if not p:
+            raise LlamaError("llama_get_embeddings_nextn returned NULL (nextn export not enabled)")
+        return np.ctypeslib.as_array(p, shape=(self.n_rows, self.model.n_embd_out))
+
+    def nextn_ith(self, i: int) -> np.ndarray:
+        p = X.llama_get_embeddings_nextn_ith(self.ptr, i)
+        if not p:
+            raise LlamaError(f"llama_get_embeddings_nextn_ith({i}) returned NULL")
+        return np.ctypeslib.as_array(p, shape=(self.model.n_embd_out,))
+
+    def seq_rm(self, p0: int, p1: int = -1) -> bool:
+        """Drop positions [p0, p1) of seq 0 (p1 = -1: to the end). False when the memory cannot
+        (a hybrid model asked to drop more than n_rs_seq tokens, or twice per decode)."""
+        return bool(L.llama_memory_seq_rm(self.mem, 0, p0, p1))
+
+    def clear(self) -> None:
+        L.llama_memory_clear(self.mem, True)
+
+    def pos_max(self) -> int:
+        return int(L.llama_memory_seq_pos_max(self.mem, 0))
+
+    def decode_with_hidden(self, tokens, pos0: int, hidden: np.ndarray, output_last: bool) -> None:
+        """An MTP context's input: row j = (token x_j, position pos0+j, hidden row h_j), where
+        h_j is the target's hidden row of the position before (float32 [n, n_embd_out]).
+        The MTP graph concatenates norm(embed(x_j)) with norm(h_j). Output (logits and the MTP's
+        own hidden row) only for the last row when output_last."""
+        n = len(tokens)
+        if n == 0:
+            return
+        if n > self.n_batch:
+            raise LlamaError(f"batch of {n} tokens exceeds n_batch {self.n_batch}")
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        if hidden.shape != (n, self.model.n_embd_out):
+            raise LlamaError(f"hidden rows {hidden.shape} do not match ({n}, {self.model.n_embd_out})")
+        if self._bext is None:
+            self._bext = L.llama_batch_ext_init(self.ptr)
+            if not self._bext:
+                raise LlamaError("llama_batch_ext_init returned NULL")
+        be = self._bext
+        L.llama_batch_ext_clear(be)
+        E = self.model.n_embd_out
+        base = hidden.ctypes.data
+        fptr = ctypes.POINTER(ctypes.c_float)
+        for j in range(n):
+            idx = L.llama_batch_ext_add_token(be, 0, int(tokens[j]))
+            if idx < 0:
+                raise LlamaError(f"llama_batch_ext_add_token failed at row {j}")
+            L.llama_batch_ext_set_pos(be, idx, (L.llama_pos * 4)(pos0 + j, 0, 0, 0))
+            row = ctypes.cast(base + 4 * E * j, fptr)
+            if not L.llama_batch_ext_set_embd_token(be, idx, L.llama_embd(row, 1, E)):
+                raise LlamaError("llama_batch_ext_set_embd_token failed")
+            L.llama_batch_ext_set_output_logits(be, idx, bool(output_last and j == n - 1))
+        rc = L.llama_process(self.ptr, L.LLAMA_PROCESS_TYPE_DECODE, be)
+        if rc != 0:
+            raise LlamaError(f"llama_process returned {rc} for {n} MTP rows at position {pos0} (ctx {self.n_ctx})")
+        self.n_rows = n
+        self.n_outputs = 1 if output_last else 0
+        self.n_decode_calls += 1
+        self.n_decoded_tokens += n
