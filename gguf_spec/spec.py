@@ -1,0 +1,396 @@
+"""What a GGUF file holds: `load_spec(path) -> ModelSpec` (architecture, hyperparameters,
+tokenizer, quantization mix, embedded MTP heads, every tensor).
+
+Reading goes through gguf's own `GGUFReader`, with two additions in `_Reader`:
+- every read is bounds-checked. The stock reader slices its memmap and indexes the result, so a
+  count or length that points past the end of the file either raises IndexError somewhere deep
+  or, inside an array, yields empty reads that never advance (a hang that grows memory). Here a
+  read past the end fails at once, and an array length is bounded by the bytes left before any
+  element is read;
+- numeric arrays (token scores, token types) are one view instead of one numpy array per
+  element, and reads skip np.memmap's per-slice overhead: Gemma 3's 262k-token vocabulary loads
+  in about 1 s instead of about 10 s.
+The header (magic, version, tensor and metadata counts) is checked with struct against the file
+size before the reader starts, and every tensor's shape, type and data range is checked before
+the reader maps it. Anything wrong becomes one `GGUFError` line naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    Keys,
+    LlamaFileType,
+)
+
+from .errors import GGUFError
+
+GGML_MAX_DIMS = 4                      # ggml.h
+_HEADER = 24                           # magic u32, version u32, n_tensors u64, n_kv u64
+_MIN_KV = 8 + 4 + 1                    # key length, value type, smallest value (u8 / bool)
+_MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dim, type, offset
+_SUPPORTED_VERSIONS = (2, 3)
+_ARRAY = int(GGUFValueType.ARRAY)
+_SCALAR_DTYPES = {int(k): np.dtype(v) for k, v in GGUFReader.gguf_scalar_to_np.items()}
+_INT_TYPES = frozenset(int(t) for t in (
+    GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+    GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64))
+_QUANT_TYPES = frozenset(int(t) for t in GGMLQuantizationType)
+# "blk.{bid}.nextn.eh_proj", ... : the tensors that exist only in an MTP (NextN) block
+_NEXTN_NAMES = tuple(TENSOR_NAMES[t] for t in MODEL_TENSOR if t.name.startswith("NEXTN_"))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    type: str                   # ggml type name: "Q4_K", "F32", ...
+    shape: tuple[int, ...]      # ggml order, ne0 (the contiguous dimension) first, as gguf-dump prints
+    n_bytes: int
+    offset: int                 # absolute offset of the data in the file
+
+
+@dataclass(frozen=True, slots=True)
+class QuantShare:
+    type: str                   # ggml type name
+    n_tensors: int
+    n_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Vocab:
+    """The tokenizer as llama.cpp sees it. Ids and add_bos/add_eos fall back to llama.cpp's
+    defaults for the tokenizer model when the file does not set them (pre-tokenizer-specific
+    overrides are not modelled; they are the same for two files with the same `pre`)."""
+
+    model: str                  # tokenizer.ggml.model: "llama" (SPM), "gpt2" (BPE), ...
+    pre: str | None             # tokenizer.ggml.pre
+    size: int                   # number of tokens
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    add_bos: bool
+    add_eos: bool
+    tokens: tuple[str, ...] = field(repr=False, compare=False)   # [size] token texts
+
+
+@dataclass(frozen=True, slots=True)
+class MTPBlock:
+    """One NextN (multi-token prediction) block: block index >= n_layer - nextn_predict_layers.
+    `tensors` are all of `blk.{index}.*`: the nextn.* tensors and the block's own attention/FFN."""
+
+    index: int
+    tensors: tuple[TensorInfo, ...]
+
+    @property
+    def nextn(self) -> tuple[TensorInfo, ...]:
+        prefixes = tuple(n.format(bid=self.index) + "." for n in _NEXTN_NAMES)
+        return tuple(t for t in self.tensors if t.name.startswith(prefixes))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    path: Path
+    architecture: str
+    name: str | None
+    size_label: str | None
+    file_type: str | None       # "Q4_K_M", from general.file_type; None if absent
+    context_length: int | None
+    n_embd: int | None
+    n_layer: int | None         # block_count, MTP blocks included
+    n_head: int | None
+    n_head_kv: int | None       # the largest, where the file gives one per layer
+    vocab: Vocab | None         # None for a file without tokenizer.ggml.tokens
+    chat_template: str | None = field(repr=False)
+    quant_mix: tuple[QuantShare, ...]           # by bytes, largest first
+    nextn_predict_layers: int
+    mtp_blocks: tuple[MTPBlock, ...]
+    tensors: tuple[TensorInfo, ...] = field(repr=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    @property
+    def has_mtp(self) -> bool:
+        """True when the file declares NextN layers and every one of them has nextn.* tensors."""
+        return bool(self.mtp_blocks) and all(b.nextn for b in self.mtp_blocks)
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+
+class _Corrupt(Exception):
+    """Raised inside _Reader; load_spec turns it into GGUFError with the file name."""
+
+
+class _Reader(GGUFReader):
+    """GGUFReader with bounds-checked reads and one-view numeric arrays (see the module doc).
+    Numeric array fields hold a single data part: read them with contents(), not contents(i)."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        raw = self.__dict__.get("_raw")
+        if raw is None:
+            raw = self._raw = self.data.view(np.ndarray)
+        dt, count = np.dtype(dtype), int(count)
+        end = offset + dt.itemsize * count
+        if count < 0 or end > raw.size:
+            raise _Corrupt(f"truncated: a read of {count} x {dt.itemsize} bytes at offset {offset} "
+                           f"runs past the end of the file ({raw.size} bytes)")
+        arr = raw[offset:end].view(dt)
+        order = self.byte_order if override_order is None else override_order
+        return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        if raw_type != _ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, n = int(raw_itype[0]), int(alen[0])
+        dt = _SCALAR_DTYPES.get(itype)
+        min_size = dt.itemsize if dt is not None else 12 if itype == _ARRAY else 8
+        left = self._raw.size - (orig_offs + 12)
+        if n > left // min_size:
+            raise _Corrupt(f"an array at offset {orig_offs} claims {n} elements but only {left} bytes follow")
+        if dt is None:
+            return super()._get_field_parts(orig_offs, raw_type)
+        vals = self._get(orig_offs + 12, dt, n)
+        return 12 + vals.nbytes, [raw_itype, alen, vals], [2], [GGUFValueType.ARRAY, GGUFValueType(itype)]
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = self._raw.size
+        for f in fields:
+            _, _, n_dims, dims, raw_dtype, offset = f.parts
+            name = f.name
+            if int(n_dims[0]) > GGML_MAX_DIMS:
+                raise _Corrupt(f"tensor '{name}' has {int(n_dims[0])} dimensions (at most {GGML_MAX_DIMS})")
+            if int(raw_dtype[0]) not in _QUANT_TYPES:
+                raise _Corrupt(f"tensor '{name}' has unknown ggml type {int(raw_dtype[0])}")
+            qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            shape = [int(d) for d in dims]
+            if shape and shape[0] % block:
+                raise _Corrupt(f"tensor '{name}' of type {qtype.name} has a row of {shape[0]} elements, "
+                               f"not a multiple of its block size {block}")
+            n_bytes = math.prod(shape) * type_size // block
+            begin = start_offs + int(offset[0])
+            if begin + n_bytes > size:
+                raise _Corrupt(f"tensor '{name}' data ({n_bytes} bytes at offset {begin}) runs past the end "
+                               f"of the file ({size} bytes); the file is truncated, download it again")
+        super()._build_tensors(start_offs, fields)
+
+
+def _fail(path: Path, what: str) -> GGUFError:
+    return GGUFError(" ".join(f"{path}: {what}".split("\n")))
+
+
+def _check_header(path: Path, size: int) -> None:
+    """Magic, version and counts, read with struct and bounded by the file size."""
+    with path.open("rb") as f:
+        head = f.read(_HEADER)
+    if head[:4] != b"GGUF":
+        raise _fail(path, f"not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+    if len(head) < _HEADER:
+        raise _fail(path, f"truncated GGUF: {size} bytes, shorter than the {_HEADER}-byte header")
+    order = "<"
+    version, = struct.unpack_from("<I", head, 4)
+    if version & 0xFFFF == 0:          # written on a host of the other byte order
+        order = ">"
+        version, = struct.unpack_from(">I", head, 4)
+    if version not in _SUPPORTED_VERSIONS:
+        raise _fail(path, f"GGUF version {version} is not supported (versions {_SUPPORTED_VERSIONS}); "
+                          "convert the model again with a current llama.cpp")
+    n_tensors, n_kv = struct.unpack_from(order + "QQ", head, 8)
+    room = size - _HEADER
+    if n_kv > room // _MIN_KV:
+        raise _fail(path, f"corrupt GGUF header: {n_kv} metadata entries cannot fit in {size} bytes")
+    if n_tensors > (room - n_kv * _MIN_KV) // _MIN_TENSOR_INFO:
+        raise _fail(path, f"corrupt GGUF header: {n_tensors} tensors and {n_kv} metadata entries "
+                          f"cannot fit in {size} bytes")
+
+
+def _open(path: Path) -> _Reader:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise _fail(path, "no such file; give a path to a .gguf file or a registry name "
+                          "(`specrun --help` lists them)") from None
+    except OSError as e:
+        raise _fail(path, f"cannot read it ({e.strerror})") from None
+    if path.is_dir():
+        raise _fail(path, "is a directory, not a GGUF file")
+    if st.st_size == 0:
+        raise _fail(path, "is empty, not a GGUF file")
+    try:
+        _check_header(path, st.st_size)
+        return _Reader(path)
+    except _Corrupt as e:
+        raise _fail(path, str(e)) from None
+    except OSError as e:
+        raise _fail(path, f"cannot read it ({e.strerror or e})") from None
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, RecursionError, MemoryError) as e:
+        # UnicodeDecodeError is a ValueError; KeyError: a duplicated key; ValueError: an unknown
+        # value type, a bad alignment, a shape numpy cannot take
+        raise _fail(path, f"corrupt GGUF ({type(e).__name__}: {e})") from None
+
+
+def _field(r: _Reader, key: str, kind: str) -> Any:
+    """The field of `key` if its type is `kind` ('int', 'bool', 'str', 'ints', 'strs'); None when absent."""
+    f = r.fields.get(key)
+    if f is None:
+        return None
+    types = [int(t) for t in f.types]
+    ok = {
+        "int": types[:1] and types[0] in _INT_TYPES,
+        "bool": types == [int(GGUFValueType.BOOL)],
+        "str": types == [int(GGUFValueType.STRING)],
+        "ints": types[:1] == [_ARRAY] and (len(types) == 1 or types[1] in _INT_TYPES),
+        "strs": types[:1] == [_ARRAY] and (len(types) == 1 or types[1] == int(GGUFValueType.STRING)),
+    }[kind]
+    if not ok:
+        names = "/".join(GGUFValueType(t).name for t in types)
+        raise _Corrupt(f"metadata {key} has type {names}, expected {kind}")
+    return f
+
+
+def _value(r: _Reader, key: str, kind: str) -> Any:
+    """A metadata value of `kind` (see _field), None when absent."""
+    f = _field(r, key, kind)
+    if f is None:
+        return None
+    v = f.contents()
+    return int(v) if kind == "int" else bool(v) if kind == "bool" else v
+
+
+def _int_or_max(r: _Reader, key: str) -> int | None:
+    """head_count and head_count_kv are per-layer arrays in some hybrid models."""
+    f = r.fields.get(key)
+    if f is not None and f.types and f.types[0] == GGUFValueType.ARRAY:
+        vals = _value(r, key, "ints")
+        return max(vals) if vals else None
+    return _value(r, key, "int")
+
+
+def _file_type(v: int | None) -> str | None:
+    if v is None:
+        return None
+    try:
+        name = LlamaFileType(v).name
+    except ValueError:
+        return f"unknown ({v})"
+    return {"ALL_F32": "F32"}.get(name, name.removeprefix("MOSTLY_"))
+
+
+# llama.cpp's defaults by tokenizer model (llama-vocab.cpp): bos, eos, add_bos, add_eos
+_VOCAB_DEFAULTS: dict[str, tuple[int | None, int | None, bool, bool]] = {
+    "llama": (1, 2, True, False),
+    "bert": (101, None, True, False),
+    "gpt2": (11, 11, False, False),
+    "t5": (None, 1, False, True),
+    "rwkv": (None, None, False, False),
+    "plamo2": (1, 2, False, False),
+}
+
+
+def _vocab(r: _Reader) -> Vocab | None:
+    f = _field(r, Keys.Tokenizer.LIST, "strs")
+    if f is None:
+        return None
+    # surrogateescape: a token that is not valid UTF-8 stays distinct from every other token
+    tokens = tuple(bytes(f.parts[i]).decode("utf-8", "surrogateescape") for i in f.data)
+    model = _value(r, Keys.Tokenizer.MODEL, "str") or "llama"
+    bos, eos, add_bos, add_eos = _VOCAB_DEFAULTS.get(model, (None, None, False, False))
+
+    def opt(key: str, kind: str, default: Any) -> Any:
+        v = _value(r, key, kind)
+        return default if v is None else v
+
+    return Vocab(
+        model=model,
+        pre=_value(r, Keys.Tokenizer.PRE, "str"),
+        size=len(tokens),
+        bos_id=opt(Keys.Tokenizer.BOS_ID, "int", bos),
+        eos_id=opt(Keys.Tokenizer.EOS_ID, "int", eos),
+        eot_id=_value(r, Keys.Tokenizer.EOT_ID, "int"),
+        add_bos=opt(Keys.Tokenizer.ADD_BOS, "bool", add_bos),
+        add_eos=opt(Keys.Tokenizer.ADD_EOS, "bool", add_eos),
+        tokens=tokens,
+    )
+
+
+def _spec(path: Path, r: _Reader) -> ModelSpec:
+    arch = _value(r, Keys.General.ARCHITECTURE, "str")
+    if not arch:
+        raise _Corrupt(f"no {Keys.General.ARCHITECTURE} in the metadata; this is not a model file")
+    n_layer = _value(r, Keys.LLM.BLOCK_COUNT.format(arch=arch), "int")
+    nextn = _value(r, Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), "int") or 0
+    if nextn < 0 or nextn > (n_layer or 0):
+        raise _Corrupt(f"{Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)} is {nextn} "
+                       f"but the model has {n_layer} blocks")
+
+    tensors = tuple(
+        TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.n_bytes),
+                   int(t.data_offset))
+        for t in r.tensors
+    )
+    mix: dict[str, list[int]] = {}
+    for t in tensors:
+        share = mix.setdefault(t.type, [0, 0])
+        share[0] += 1
+        share[1] += t.n_bytes
+    quant_mix = tuple(sorted((QuantShare(k, n, b) for k, (n, b) in mix.items()),
+                             key=lambda q: (-q.n_bytes, q.type)))
+
+    blocks = []
+    for i in range((n_layer or 0) - nextn, n_layer or 0):
+        prefix = f"blk.{i}."
+        blocks.append(MTPBlock(i, tuple(t for t in tensors if t.name.startswith(prefix))))
+
+    return ModelSpec(
+        path=path,
+        architecture=arch,
+        name=_value(r, Keys.General.NAME, "str"),
+        size_label=_value(r, Keys.General.SIZE_LABEL, "str"),
+        file_type=_file_type(_value(r, Keys.General.FILE_TYPE, "int")),
+        context_length=_value(r, Keys.LLM.CONTEXT_LENGTH.format(arch=arch), "int"),
+        n_embd=_value(r, Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), "int"),
+        n_layer=n_layer,
+        n_head=_int_or_max(r, Keys.Attention.HEAD_COUNT.format(arch=arch)),
+        n_head_kv=_int_or_max(r, Keys.Attention.HEAD_COUNT_KV.format(arch=arch)),
+        vocab=_vocab(r),
+        chat_template=_value(r, Keys.Tokenizer.CHAT_TEMPLATE, "str"),
+        quant_mix=quant_mix,
+        nextn_predict_layers=nextn,
+        mtp_blocks=tuple(blocks),
+        tensors=tensors,
+    )
+
+
+def load_spec(path: str | os.PathLike) -> ModelSpec:
+    """Read a GGUF file's metadata and tensor index (no tensor data is read).
+    raises: GGUFError, one line naming the file, for anything missing, unreadable or corrupt."""
+    path = Path(path)
+    r = _open(path)
+    try:
+        return _spec(path, r)
+    except _Corrupt as e:
+        raise _fail(path, str(e)) from None
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
+        raise _fail(path, f"corrupt GGUF metadata ({type(e).__name__}: {e})") from None
