@@ -63,6 +63,10 @@ class DraftMTP:
         if self._own_model:
             self.model.close()
 
+    def n_synced(self) -> int:
+        """Positions whose MTP rows are in the MTP KV (the target may reuse at most these)."""
+        return len(self.fed)
+
     def begin(self, prompt: np.ndarray) -> None:
         pass  # positions are synchronised in observe()
 

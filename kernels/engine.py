@@ -103,57 +103,94 @@ class Engine:
     """
 
     def __init__(self, model_path: str, params: EngineParams = EngineParams(), *,
-                 drafters: Sequence | None = None) -> None:
+                 model: Model | None = None, drafters: Sequence | None = None) -> None:
+        """model: an already loaded Model to share (server slots); the engine then does not close it.
+        drafters: explicit drafter objects (tests), instead of those params.spec.types name."""
         self.params = params
         spec = params.spec
-        n_max = self.max_draft(spec.n_max)
         # draft-mtp reads the heads of the main GGUF, or of -md HEADS.gguf when no draft model uses -md
-        needs_mtp = "draft-mtp" in spec.types and not (params.draft_model and "draft-simple" not in spec.types)
-        self.model = Model(model_path, exact=params.exact, load_mtp=needs_mtp)
+        self._heads_from_md = bool(params.draft_model) and "draft-simple" not in spec.types
+        needs_mtp = "draft-mtp" in spec.types and not self._heads_from_md
+        self._own_model = model is None
+        self.model = model if model is not None else Model(model_path, exact=params.exact, load_mtp=needs_mtp)
+        self.ctx = None
+        self._cache: dict[tuple, object] = {}
         if needs_mtp and self.model.n_layer_nextn <= 0:
             self.close()
             raise SpecrunError(f"{model_path}: the model has no MTP heads, so --spec-type draft-mtp is not "
                                f"available; run `specrun inspect {model_path}` to see what it holds, "
                                "or pass MTP heads with -md HEADS.gguf")
         n_ctx = params.n_ctx or self.model.n_ctx_train
+        # Hybrid (recurrent) models roll back through n_rs_seq snapshots: the longest draft it allows.
+        self.n_max_cap = max(spec.n_max, 16)
+        if params.exact:
+            self.n_max_cap = min(self.n_max_cap, MAX_EXACT_BATCH - 1)
+        self.mtp_enabled = "draft-mtp" in spec.types or (self.model.load_mtp and self.model.n_layer_nextn > 0)
         self.ctx = Context(self.model, ContextParams(
-            n_ctx=n_ctx, n_batch=max(params.n_batch, n_max + 1), n_threads=params.n_threads,
-            n_rs_seq=n_max if spec.types else 0,
-            nextn="all" if "draft-mtp" in spec.types else None))
+            n_ctx=n_ctx, n_batch=max(params.n_batch, self.n_max_cap + 1), n_threads=params.n_threads,
+            n_rs_seq=self.n_max_cap, nextn="all" if self.mtp_enabled else None))
         self.n_ctx = self.ctx.n_ctx
         self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
-        self.drafters = list(drafters) if drafters is not None else self._make_drafters()
+        self._explicit = list(drafters) if drafters is not None else None
+        try:
+            self.drafters = self._explicit if self._explicit is not None else self.drafters_for(spec)
+        except Exception:
+            self.close()
+            raise
         self.stats = GenStats()
 
     # -- set-up ------------------------------------------------------------------------------
     def max_draft(self, n_max: int) -> int:
-        return min(n_max, MAX_EXACT_BATCH - 1) if self.params.exact else n_max
+        return min(n_max, self.n_max_cap)
 
-    def _make_drafters(self) -> list:
-        spec, out = self.params.spec, []
+    def drafters_for(self, spec: SpecParams) -> list:
+        """The drafters of spec.types (llama.cpp's order), built once and cached by their settings."""
+        out = []
         for t in spec.types:
             if t == "ngram-simple":
-                from .ngram import NgramSimple
-                out.append(NgramSimple(spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits))
-            elif t == "draft-simple":
-                if not self.params.draft_model:
-                    raise SpecrunError("--spec-type draft needs a draft model: add -md DRAFT.gguf "
-                                       "(a small model of the same family)")
-                from .draft_model import DraftModel
-                out.append(DraftModel(self, self.params.draft_model))
-            elif t == "draft-mtp":
-                from .draft_mtp import DraftMTP
-                heads = self.params.draft_model if "draft-simple" not in spec.types else None
-                out.append(DraftMTP(self, heads))
+                key = (t, spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits)
+            else:
+                key = (t,)
+            d = self._cache.get(key)
+            if d is None:
+                d = self._cache[key] = self._make_drafter(t, spec)
+            if hasattr(d, "p_min"):
+                d.p_min = spec.p_min
+            out.append(d)
         return out
 
+    def _make_drafter(self, t: str, spec: SpecParams):
+        if t == "ngram-simple":
+            from .ngram import NgramSimple
+            return NgramSimple(spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits)
+        if t == "draft-simple":
+            if not self.params.draft_model:
+                raise SpecrunError("--spec-type draft needs a draft model: add -md DRAFT.gguf "
+                                   "(a small model of the same family)")
+            from .draft_model import DraftModel
+            return DraftModel(self, self.params.draft_model)
+        if t == "draft-mtp":
+            if not self.mtp_enabled:
+                raise SpecrunError("draft-mtp was not enabled when the model was loaded; restart with "
+                                   "--spec-type draft-mtp")
+            from .draft_mtp import DraftMTP
+            return DraftMTP(self, self.params.draft_model if self._heads_from_md else None)
+        raise SpecrunError(f"unknown spec type '{t}'")
+
+    def set_spec(self, spec: SpecParams) -> None:
+        """Switch spec types for the next generations (chat /spec); builds the drafters now."""
+        drafters = self.drafters_for(spec)
+        self.params = replace(self.params, spec=spec)
+        self.drafters = drafters
+
     def close(self) -> None:
-        for d in getattr(self, "drafters", []):
+        for d in getattr(self, "_cache", {}).values():
             if hasattr(d, "close"):
                 d.close()
+        self._cache = {}
         if getattr(self, "ctx", None) is not None:
             self.ctx.close()
-        if getattr(self, "model", None) is not None:
+        if getattr(self, "_own_model", False) and getattr(self, "model", None) is not None:
             self.model.close()
 
     def __enter__(self) -> Engine:
@@ -175,28 +212,31 @@ class Engine:
         hidden = self.ctx.nextn_rows() if self.ctx.params.nextn else None
         return TargetPass(np.asarray(tokens, dtype=np.int32), pos0, hidden)
 
-    def _observe(self, tp: TargetPass, n_keep: int) -> None:
-        for d in self.drafters:
+    def _observe(self, drafters, tp: TargetPass, n_keep: int) -> None:
+        for d in drafters:
             if hasattr(d, "observe"):
                 d.observe(tp, n_keep)
 
-    def _prefill(self, prompt: np.ndarray) -> np.ndarray:
+    def _prefill(self, prompt: np.ndarray, drafters) -> np.ndarray:
         """Bring the KV cache to prompt[:-0] and return the logits row of the last prompt token."""
         n = len(prompt)
         keep = min(_lcp(self.kv_tokens, prompt), n - 1)
+        for d in drafters:  # a drafter that follows the target's positions (MTP) must see them all
+            if hasattr(d, "n_synced"):
+                keep = min(keep, d.n_synced())
         if keep < len(self.kv_tokens) and not self.ctx.seq_rm(keep, -1):
             log.info("cannot roll back the memory to %d tokens; re-evaluating the prompt", keep)
             self.ctx.clear()
             keep = 0
         self.kv_tokens = list(prompt[:keep])
-        for d in self.drafters:
+        for d in drafters:
             d.begin(prompt)
         self.stats.n_prompt = n - keep
         last = None
         for s in range(keep, n, self.ctx.n_batch):
             chunk = prompt[s:s + self.ctx.n_batch]
             tp = self._decode(chunk, s, "last" if s + len(chunk) == n else "none")
-            self._observe(tp, len(chunk))
+            self._observe(drafters, tp, len(chunk))
             self.kv_tokens.extend(int(t) for t in chunk)
             last = self.ctx.logits_rows()[-1] if s + len(chunk) == n else None
         return last
@@ -215,7 +255,7 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], n_predict: int = -1,
                  sampling: SamplingParams = SamplingParams(), *,
-                 n_max: int | None = None) -> Iterator[list[int]]:
+                 spec: SpecParams | None = None) -> Iterator[list[int]]:
         """Yield emitted tokens (lists, in order) until end-of-generation, n_predict tokens
         (-1: until the context is full) or the context is full.
 
@@ -229,15 +269,18 @@ class Engine:
         if len(prompt) >= self.n_ctx:
             raise SpecrunError(f"the prompt exceeds the context size ({len(prompt)} tokens, ctx {self.n_ctx}); "
                                "raise -c or shorten the prompt")
-        spec = self.params.spec
-        n_max = self.max_draft(spec.n_max if n_max is None else n_max)
+        if spec is None:
+            spec, drafters = self.params.spec, self.drafters
+        else:
+            drafters = self._explicit if self._explicit is not None else self.drafters_for(spec)
+        n_max = self.max_draft(spec.n_max)
         sampling = self.resolve_sampling(sampling)
         sample_drafts = spec.verify in ("auto", "rejection") and not sampling.greedy
-        for d in self.drafters:
+        for d in drafters:
             if hasattr(d, "sampling"):
                 d.sampling = sampling if sample_drafts else None
         st = self.stats = GenStats(n_prompt_total=len(prompt), exact=self.params.exact, seed=sampling.seed,
-                                   drafters=[DrafterStats(d.spec_type) for d in self.drafters])
+                                   drafters=[DrafterStats(d.spec_type) for d in drafters])
         limit = n_predict if n_predict >= 0 else self.n_ctx
         ctx_tokens = list(prompt)
         n_emitted = 0
@@ -247,7 +290,7 @@ class Engine:
             if limit == 0:
                 st.stop = "n_predict"
                 return
-            logits = self._prefill(prompt)
+            logits = self._prefill(prompt, drafters)
             n_past = len(prompt)
             id_last = sample(logits, sampling, n_past)
             t_gen0 = time.perf_counter()
@@ -269,7 +312,7 @@ class Engine:
                 draft, which = Draft.empty(), -1
                 if k_cap > 0:
                     ctx_arr = np.asarray(ctx_tokens, dtype=np.int32)
-                    for i, d in enumerate(self.drafters):
+                    for i, d in enumerate(drafters):
                         td = time.perf_counter()
                         st.drafters[i].n_call_draft += 1
                         dd = d.propose(ctx_arr, k_cap)
@@ -294,10 +337,10 @@ class Engine:
                     raise LlamaError(f"could not roll the KV cache back to {keep} tokens after a partial "
                                      f"accept ({n_acc}/{k}); n_rs_seq = {self.ctx.params.n_rs_seq}")
                 self.kv_tokens.extend(int(t) for t in batch[:n_acc + 1])
-                self._observe(tp, n_acc + 1)
+                self._observe(drafters, tp, n_acc + 1)
                 if which >= 0:
                     st.drafters[which].record(k, n_acc)
-                for i, d in enumerate(self.drafters):
+                for i, d in enumerate(drafters):
                     d.accept(n_acc if i == which else 0, verdict.tokens)
                 out = [int(t) for t in verdict.tokens]
                 n_past = keep

@@ -154,6 +154,14 @@ class Model:
             self._pieces[token] = p
         return p
 
+    def token_text(self, token: int) -> str:
+        """A token's text with special tokens spelled out (e.g. '<|im_end|>'); '' for -1."""
+        if token < 0:
+            return ""
+        buf = ctypes.create_string_buffer(256)
+        n = L.llama_token_to_piece(self.vocab, token, buf, 256, 0, True)
+        return buf.raw[:max(n, 0)].decode("utf-8", errors="replace")
+
     def detokenize(self, tokens) -> str:
         return b"".join(self.piece(int(t)) for t in tokens).decode("utf-8", errors="replace")
 
