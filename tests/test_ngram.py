@@ -1,0 +1,150 @@
+"""NgramSimple against llama.cpp's common_ngram_simple_draft (common/ngram-map.cpp)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from specrun.kernels.ngram import NgramSimple
+from specrun.kernels.types import Draft
+
+
+def llama_ngram_simple(ctx: list[int], n: int, m: int, n_max: int) -> list[int]:
+    """common_ngram_simple_draft(tokens = ctx[:-1], sampled = ctx[-1]) line by line, then
+    common_speculative_draft's truncation to n_max (specrun: n_max <= 0 means no draft)."""
+    tokens, sampled = ctx[:-1], ctx[-1]
+    cur_len = len(tokens)
+    if cur_len <= n + m + 1:
+        return []
+    pattern = [tokens[j] for j in range(cur_len - n + 1, cur_len)] + [sampled]
+    match_pos = 0
+    for j in range(cur_len - n - 1, 0, -1):
+        if all(tokens[j + k] == pattern[k] for k in range(n)):
+            match_pos = j
+            break
+    if match_pos == 0:
+        return []
+    copy_max = min(m, cur_len - (match_pos + n))
+    if copy_max < n:
+        return []
+    draft = [tokens[match_pos + n + j] for j in range(copy_max)]
+    return draft[:n_max] if n_max > 0 else []
+
+
+def propose(ctx: list[int], n: int = 2, m: int = 3, n_max: int = 16, min_hits: int = 1) -> list[int]:
+    drafter = NgramSimple(size_n=n, size_m=m, min_hits=min_hits)
+    drafter.begin(np.asarray(ctx[:-1], dtype=np.int32))
+    draft = drafter.propose(np.asarray(ctx, dtype=np.int32), n_max)
+    assert isinstance(draft, Draft) and draft.probs is None and draft.tokens.dtype == np.int32
+    return draft.tokens.tolist()
+
+
+X, Y, Z, A, B, C, D, E, F, G, W = range(10, 21)
+
+# (ctx ending with id_last, size_n, size_m, n_max, expected draft)
+CASES = [
+    pytest.param([X, A, B, C, D, E, Y, Z, A, B], 2, 3, 16, [C, D, E], id="match-found"),
+    pytest.param([X, A, B, C, D, E, Y, A, B, F, G, Z, A, B], 2, 3, 16, [F, G, Z], id="last-occurrence-wins"),
+    pytest.param([X, A, B, C, D, E, Y, Z, F, G, E, A, B, G, D, A, B], 2, 4, 16, [G, D, A], id="copy-stops-at-history-end"),
+    pytest.param([X, A, B, C, D, E, F, G, A, B, A, B], 2, 3, 16, [], id="last-too-recent-no-fallback"),
+    pytest.param([A, B, C, D, E, F, G, Z, A, B], 2, 3, 16, [], id="position-0-never-matches"),
+    pytest.param([X, A, B, C, D, E, Y, Z, F, G], 2, 3, 16, [], id="no-match"),
+    pytest.param([X, A, B, C, D, E, Y, Z, A, C], 2, 3, 16, [], id="partial-match-only"),
+    pytest.param([X] + [A] * 12, 2, 3, 16, [], id="repeated-token-never-drafts"),
+    pytest.param([X, A, B, C, D, E, Y, Z, A, B], 2, 3, 2, [C, D], id="n_max-cap"),
+    pytest.param([X, A, B, C, D, E, Y, Z, A, B], 2, 3, 1, [C], id="n_max-below-size_n"),
+    pytest.param([X, A, B, C, D, E, Y, Z, A, B], 2, 3, 0, [], id="n_max-zero"),
+    pytest.param([X, A, B, C, D, A, B], 2, 3, 16, [], id="short-context-L=n+m+2"),
+    pytest.param([X, A, B, C, D, Y, A, B], 2, 3, 16, [C, D, Y], id="context-L=n+m+3"),
+    pytest.param([X, A, B, C, D, E, F, Y, A, B], 2, 6, 16, [], id="short-context-bigger-m"),
+    pytest.param([X, A, C, D, Y, Z, A], 1, 2, 16, [C, D], id="unigram"),
+    pytest.param([X, A, B, C, D, E, Y, Z, A, B], 3, 2, 16, [], id="size_m-below-size_n-never-drafts"),
+    pytest.param([W, X, Y, A, B, C, D, E, F, G, Z, X, Y, A, B], 4, 5, 16, [C, D, E, F, G], id="4-gram"),
+    pytest.param([X, Y, A, B, C, D, E, F, G, Z, X, Y, A, B], 4, 5, 16, [], id="4-gram-at-position-0"),
+]
+
+
+@pytest.mark.parametrize(("ctx", "n", "m", "n_max", "want"), CASES)
+def test_constructed(ctx, n, m, n_max, want):
+    assert llama_ngram_simple(ctx, n, m, n_max) == want  # the table agrees with llama.cpp's rule
+    assert propose(ctx, n, m, n_max) == want
+
+
+@pytest.mark.parametrize(("ctx", "n", "m", "n_max", "want"), CASES)
+def test_min_hits_is_ignored_like_llama_cpp(ctx, n, m, n_max, want):
+    assert propose(ctx, n, m, n_max, min_hits=5) == want
+
+
+def test_defaults_match_llama_cpp():
+    d = NgramSimple()
+    assert (NgramSimple.spec_type, d.size_n, d.size_m, d.min_hits) == ("ngram-simple", 12, 48, 1)
+    text = list(range(100, 200))  # 100 distinct tokens, then the first 12 again
+    ctx = [7, *text, *text[:12]]
+    assert propose(ctx, 12, 48, 64) == text[12:60]  # capped at size_m = 48
+    assert propose(ctx, 12, 48, 5) == text[12:17]
+
+
+@pytest.mark.parametrize("bad", [dict(size_n=0), dict(size_m=0)])
+def test_bad_sizes(bad):
+    with pytest.raises(ValueError, match="size_n >= 1 and size_m >= 1"):
+        NgramSimple(**bad)
+
+
+@pytest.mark.parametrize(("alphabet", "n", "m"), [(2, 1, 1), (3, 2, 3), (3, 3, 8), (4, 2, 5), (2, 4, 4), (5, 1, 6)])
+def test_equals_brute_force_incrementally(alphabet, n, m):
+    """Random low-entropy sequences grown token by token (the incremental index), random n_max,
+    with begin() on a prompt and the drafter told about accepted tokens like the loop does."""
+    rng = np.random.default_rng(1000 * alphabet + 10 * n + m)
+    for _ in range(5):
+        prompt = rng.integers(0, alphabet, int(rng.integers(1, 30))).tolist()
+        drafter = NgramSimple(size_n=n, size_m=m)
+        drafter.begin(np.asarray(prompt, dtype=np.int32))
+        ctx = list(prompt)
+        n_drafted = 0
+        for _ in range(150):
+            n_max = int(rng.integers(0, m + 3))
+            draft = drafter.propose(np.asarray(ctx, dtype=np.int32), n_max).tokens.tolist()
+            assert draft == llama_ngram_simple(ctx, n, m, n_max), (ctx, n_max)
+            n_drafted += len(draft)
+            # emit 1..3 tokens, sometimes following the draft (so repeats keep coming)
+            emitted = draft[: int(rng.integers(0, len(draft) + 1))] + rng.integers(0, alphabet, 1).tolist()
+            drafter.accept(len(emitted) - 1, np.asarray(emitted, dtype=np.int32))
+            ctx.extend(emitted)
+        assert n_drafted > 0
+
+
+def test_equals_brute_force_when_context_is_not_an_extension():
+    """A ctx that rewrites history (or shrinks) rebuilds the index instead of trusting it."""
+    rng = np.random.default_rng(7)
+    drafter = NgramSimple(size_n=2, size_m=4)
+    drafter.begin(np.zeros(0, dtype=np.int32))
+    for _ in range(300):
+        ctx = rng.integers(0, 3, int(rng.integers(1, 80))).tolist()
+        n_max = int(rng.integers(1, 6))
+        assert drafter.propose(np.asarray(ctx, dtype=np.int32), n_max).tokens.tolist() == llama_ngram_simple(ctx, 2, 4, n_max)
+
+
+def test_begin_forgets_the_previous_sequence():
+    drafter = NgramSimple(size_n=2, size_m=3)
+    first = [X, A, B, C, D, E, Y, Z, A, B]
+    drafter.begin(np.asarray(first[:-1], dtype=np.int32))
+    assert drafter.propose(np.asarray(first, dtype=np.int32), 8).tokens.tolist() == [C, D, E]
+    second = [X, A, B, F, G, E, Y, Z, A, B]  # same length, same prefix token: must not reuse the old index
+    drafter.begin(np.asarray(second[:-1], dtype=np.int32))
+    assert drafter.propose(np.asarray(second, dtype=np.int32), 8).tokens.tolist() == [F, G, E]
+
+
+def test_long_context_with_default_sizes():
+    """A few thousand tokens of repetitive text with the defaults, grown step by step."""
+    rng = np.random.default_rng(11)
+    phrases = [rng.integers(0, 500, int(rng.integers(20, 80))).tolist() for _ in range(6)]
+    ctx: list[int] = []
+    while len(ctx) < 3000:
+        ctx += phrases[int(rng.integers(0, 6))] + rng.integers(0, 500, 3).tolist()
+    drafter = NgramSimple()
+    drafter.begin(np.asarray(ctx[:200], dtype=np.int32))
+    n_drafts = 0
+    for L in range(201, len(ctx), 7):
+        draft = drafter.propose(np.asarray(ctx[:L], dtype=np.int32), 16).tokens.tolist()
+        assert draft == llama_ngram_simple(ctx[:L], 12, 48, 16)
+        n_drafts += bool(draft)
+    assert n_drafts > 50
