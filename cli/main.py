@@ -37,10 +37,21 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import inspect_cmd, run_cmd
+    from . import check_cmd, inspect_cmd, run_cmd
 
     cli.add_command(run_cmd.run)
     cli.add_command(inspect_cmd.inspect)
+
+    from . import testmodel_cmd
+
+    cli.add_command(testmodel_cmd.make_test_model)
+    cli.add_command(testmodel_cmd.quantize_cmd)
+    cli.add_command(testmodel_cmd.extract_mtp_cmd)
+    cli.add_command(check_cmd.check_exact)
+
+    from . import chat_cmd
+
+    cli.add_command(chat_cmd.chat)
 
 
 _register()

@@ -16,7 +16,7 @@ import numpy as np
 from specrun.gguf_spec.errors import IncompatibleDraft
 
 from .llama import Context, ContextParams, Model
-from .sampling import position_rng, transform
+from .sampling import inverse_cdf, position_rng, transform
 from .types import Draft, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class DraftModel:
             if sampled:
                 q = transform(lg, self.sampling)                       # [n_vocab] float64
                 u = position_rng(self.sampling.seed, pos + len(toks), _DRAFT_STREAM).random()
-                tok = int(min(np.searchsorted(np.cumsum(q), u * q.sum(), side="right"), len(q) - 1))
+                tok = int(inverse_cdf(q, u))
                 qs.append(q.astype(np.float32))
             else:
                 tok, p = softmax_max(lg) if self.p_min > 0 else (int(np.argmax(lg)), 1.0)

@@ -20,7 +20,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from .draft_model import _DRAFT_STREAM, softmax_max
 from .llama import Context, ContextParams, Model
-from .sampling import position_rng, transform
+from .sampling import inverse_cdf, position_rng, transform
 from .types import Draft, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class DraftMTP:
             if sampled:
                 q = transform(lg, self.sampling)
                 u = position_rng(self.sampling.seed, n_past + 1 + i, _DRAFT_STREAM).random()
-                tok = int(min(np.searchsorted(np.cumsum(q), u * q.sum(), side="right"), len(q) - 1))
+                tok = int(inverse_cdf(q, u))
                 qs.append(q.astype(np.float32))
             else:
                 tok, p = softmax_max(lg) if self.p_min > 0 else (int(np.argmax(lg)), 1.0)

@@ -1,0 +1,74 @@
+"""`specrun check-exact`: measure whether verify batches are bit-identical to plain decoding."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from .common import err_console, handle_errors, resolve, setup_logging
+
+_TEXT = ("Speculative decoding drafts several tokens cheaply and verifies them with the main model in "
+         "one batched pass. The accepted text must be exactly what the model alone would write, so the "
+         "logits of a position must not depend on how many rows share its batch. ")
+
+
+def context_prompt(model, n_tokens: int) -> np.ndarray:
+    """A prompt of exactly n_tokens tokens (a fixed text repeated)."""
+    ids = model.tokenize(_TEXT * (n_tokens // 20 + 2))
+    return ids[:n_tokens]
+
+
+@click.command("check-exact")
+@click.option("-m", "--model", "model", default="gemma-3-270m", show_default=True)
+@click.option("--n-max", "n_max", default="1,3,8,15", show_default=True,
+              help="draft lengths to check (verify batches of n-max + 1 rows), comma-separated")
+@click.option("--context", "contexts", default="100,600", show_default=True,
+              help="tokens already in the KV cache before the checked rows, comma-separated")
+@click.option("-t", "--threads", type=click.IntRange(0), default=0)
+@click.option("--no-exact", is_flag=True, help="check llama.cpp's default (fastest) kernels instead")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True)
+@handle_errors
+def check_exact(model, n_max, contexts, threads, no_exact, as_json, verbose):
+    """Is a position's logits row identical alone and inside a verify batch? (exit 1 if not)"""
+    from specrun.kernels.exactness import check_exact as run_check
+    from specrun.kernels.llama import Model
+
+    setup_logging(verbose)
+    try:
+        n_maxes = [int(x) for x in n_max.split(",")]
+        ctxs = [int(x) for x in contexts.split(",")]
+    except ValueError:
+        raise click.BadParameter("give integers separated by commas, e.g. 1,3,8", param_hint="--n-max/--context") \
+            from None
+    path = resolve(model)
+    with err_console.status(f"loading {path.name}"):
+        m = Model(str(path), exact=not no_exact)
+    rows = []
+    with m:
+        for c in ctxs:
+            prompt = context_prompt(m, c)
+            for k in n_maxes:
+                with err_console.status(f"context {c}, n-max {k}"):
+                    r = run_check(m, prompt, k + 1, n_threads=threads)
+                rows.append({"context": r.n_context, "n_max": k, "rows": r.n_rows, "identical": r.n_identical,
+                             "max_abs_diff": r.max_abs_diff, "argmax_flips": r.n_argmax_flips, "exact": r.exact})
+    ok = all(r["exact"] for r in rows)
+    if as_json:
+        json.dump({"model": str(path), "exact_mode": not no_exact, "bit_identical": ok, "checks": rows}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        t = Table(title=f"{path.name}: verify rows vs one-token decoding ({'exact' if not no_exact else 'default'} kernels)")
+        for col in ("context", "n-max", "rows identical", "max |Δlogit|", "argmax flips"):
+            t.add_column(col, justify="right")
+        for r in rows:
+            t.add_row(str(r["context"]), str(r["n_max"]), f"{r['identical']}/{r['rows']}",
+                      f"{r['max_abs_diff']:.3g}", str(r["argmax_flips"]))
+        Console().print(t)
+        Console().print("bit-identical: yes" if ok else "bit-identical: NO (speculative output may differ from plain)")
+    sys.exit(0 if ok else 1)
