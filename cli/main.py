@@ -53,6 +53,10 @@ def _register() -> None:
 
     cli.add_command(chat_cmd.chat)
 
+    from . import serve_cmd
+
+    cli.add_command(serve_cmd.serve)
+
 
 _register()
 
