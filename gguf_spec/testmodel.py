@@ -303,7 +303,7 @@ def write_test_model(path: str | Path, cfg: SynthConfig = TINY, dtype: str = "f1
         raise SynthConfigError(f"the writer emits {' or '.join(DTYPES)}, not '{dtype}' "
                                "(quantized types go through llama.cpp's quantizer)")
     path = Path(path)
-    K, A = gguf.Keys, ARCH
+    A = ARCH
     tokens, types, merges = tokenizer_for(cfg.n_vocab)
     eot = cfg.n_vocab - 1
 
@@ -314,7 +314,7 @@ def write_test_model(path: str | Path, cfg: SynthConfig = TINY, dtype: str = "f1
     w.add_context_length(CONTEXT_LENGTH)
     w.add_embedding_length(cfg.n_embd)
     w.add_block_count(cfg.block_count)
-    w.add_uint32(K.LLM.NEXTN_PREDICT_LAYERS.format(arch=A), 1)
+    w.add_nextn_predict_layers(1)
     w.add_feed_forward_length(cfg.n_ff)
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
@@ -322,14 +322,14 @@ def write_test_model(path: str | Path, cfg: SynthConfig = TINY, dtype: str = "f1
     w.add_value_length(HEAD_DIM)
     w.add_layer_norm_rms_eps(RMS_EPS)
     w.add_rope_dimension_count(HEAD_DIM)
-    w.add_array(K.Rope.DIMENSION_SECTIONS.format(arch=A), ROPE_SECTIONS)
+    w.add_rope_dimension_sections(ROPE_SECTIONS)
     w.add_rope_freq_base(ROPE_FREQ_BASE)
     w.add_ssm_conv_kernel(SSM_CONV_KERNEL)
     w.add_ssm_state_size(HEAD_DIM)
     w.add_ssm_group_count(cfg.n_head)
     w.add_ssm_time_step_rank(cfg.n_head)
     w.add_ssm_inner_size(cfg.n_head * HEAD_DIM)
-    w.add_uint32(K.LLM.FULL_ATTENTION_INTERVAL.format(arch=A), cfg.full_attention_interval)
+    w.add_full_attention_interval(cfg.full_attention_interval)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)

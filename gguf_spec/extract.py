@@ -1,0 +1,149 @@
+"""Split a GGUF with MTP (NextN) blocks into an MTP-only file and a trunk-only file.
+
+llama.cpp's layout: the MTP blocks are the last `{arch}.nextn_predict_layers` blocks, so
+n_layer = block_count - nextn_predict_layers is the trunk depth.
+
+MTP-only ("heads") file, the same layout as llama.cpp's `convert_hf_to_gguf.py --mtp`:
+  * every metadata key unchanged (block_count still counts the trunk, nextn_predict_layers > 0);
+  * the tensors of blocks n_layer .. block_count-1 and every global tensor (token_embd,
+    output_norm, output: what the MTP graph falls back on when the block has no
+    nextn.embed_tokens / shared_head_*).
+  llama.cpp's loaders for MTP architectures (qwen35 and the others in src/models/*.cpp) treat
+  a file with nextn_predict_layers > 0 and no `blk.0.attn_norm.weight` as MTP-only and mark
+  the trunk tensors not required. Load it with load_mtp = true and create the draft context
+  on it with ctx_type = MTP and ctx_other = the target context.
+
+Trunk-only file (`convert_hf_to_gguf.py --no-mtp`): blocks 0 .. n_layer-1 and the globals,
+block_count = n_layer, no nextn_predict_layers key, per-layer arrays cut to n_layer entries.
+
+Tensors are copied byte for byte (same types); requantizing is kernels.quantize's job.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+
+from .errors import GGUFError, SpecrunError
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+class NoMtpHeads(SpecrunError):
+    """The model has no MTP (NextN) blocks to extract or strip."""
+
+
+@dataclass(frozen=True, slots=True)
+class MtpLayout:
+    arch: str
+    block_count: int         # trunk + MTP blocks (llama.cpp's n_layer_all)
+    nextn_layers: int        # MTP blocks, the last ones
+
+    @property
+    def n_layer(self) -> int:
+        return self.block_count - self.nextn_layers
+
+
+@dataclass(frozen=True, slots=True)
+class ExtractResult:
+    path: Path
+    layout: MtpLayout        # of the source
+    n_tensors: int           # written
+    n_bytes: int             # tensor data written
+
+
+def _open(path: str | Path) -> gguf.GGUFReader:
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise GGUFError(f"{path}: not a readable GGUF ({e})") from None
+
+
+def _scalar(reader: gguf.GGUFReader, key: str) -> int | str | None:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def read_layout(reader: gguf.GGUFReader, path: str | Path = "") -> MtpLayout:
+    arch = _scalar(reader, gguf.Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str):
+        raise GGUFError(f"{path}: no general.architecture")
+    block_count = _scalar(reader, gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch))
+    if not isinstance(block_count, int):
+        raise GGUFError(f"{path}: no {arch}.block_count")
+    nextn = _scalar(reader, gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)) or 0
+    if not 0 <= int(nextn) < block_count:
+        raise GGUFError(f"{path}: {arch}.nextn_predict_layers = {nextn} with block_count {block_count}")
+    return MtpLayout(arch, block_count, int(nextn))
+
+
+def _layer_of(name: str) -> int | None:
+    m = _BLOCK.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _copy(reader: gguf.GGUFReader, dst: Path, layout: MtpLayout, keep_layer, kv_edit) -> ExtractResult:
+    writer = gguf.GGUFWriter(dst, layout.arch)
+    align = reader.fields.get(gguf.Keys.General.ALIGNMENT)
+    if align is not None:
+        writer.data_alignment = int(align.contents())
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = kv_edit(field.name, field.contents())
+        if value is not None:
+            writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
+    tensors = [t for t in reader.tensors if (il := _layer_of(t.name)) is None or keep_layer(il)]
+    for t in tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in tensors:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return ExtractResult(dst, layout, len(tensors), sum(int(t.n_bytes) for t in tensors))
+
+
+def extract_mtp(src: str | Path, dst: str | Path) -> ExtractResult:
+    """Write the MTP-only GGUF of `src` to `dst` (see the module docstring)."""
+    reader = _open(src)
+    layout = read_layout(reader, src)
+    if layout.nextn_layers == 0:
+        raise NoMtpHeads(f"{src} has no MTP heads ({layout.arch}.nextn_predict_layers is 0 or absent)")
+    if not any(t.name.startswith("blk.0.") for t in reader.tensors):
+        raise NoMtpHeads(f"{src} is already an MTP-only file (it has no trunk tensors)")
+    return _copy(reader, Path(dst), layout, lambda il: il >= layout.n_layer, lambda key, value: value)
+
+
+def extract_trunk(src: str | Path, dst: str | Path) -> ExtractResult:
+    """Write `src` without its MTP blocks to `dst` (see the module docstring)."""
+    reader = _open(src)
+    layout = read_layout(reader, src)
+    if layout.nextn_layers == 0:
+        raise NoMtpHeads(f"{src} has no MTP heads ({layout.arch}.nextn_predict_layers is 0 or absent); "
+                         "it is already trunk-only")
+    prefix = f"{layout.arch}."
+    nextn_key = gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=layout.arch)
+    count_key = gguf.Keys.LLM.BLOCK_COUNT.format(arch=layout.arch)
+    sections_key = gguf.Keys.Rope.DIMENSION_SECTIONS.format(arch=layout.arch)
+
+    def kv_edit(key: str, value):
+        if key == nextn_key:
+            return None
+        if key == count_key:
+            return layout.n_layer
+        if (key.startswith(prefix) and key != sections_key and isinstance(value, list)
+                and len(value) == layout.block_count):
+            return value[: layout.n_layer]           # per-layer arrays (recurrent_layers, ...)
+        return value
+
+    return _copy(reader, Path(dst), layout, lambda il: il < layout.n_layer, kv_edit)
