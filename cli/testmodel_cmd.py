@@ -120,7 +120,7 @@ def _overrides(ctx, param, value):
 @click.command("quantize")
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(dir_okay=False, writable=True, path_type=Path))
-@click.argument("ftype", type=click.Choice(list(FTYPES), case_sensitive=False))
+@click.argument("ftype", metavar="FTYPE", type=click.Choice(list(FTYPES), case_sensitive=False))
 @click.option("--mtp-type", default=DEFAULT_MTP_TYPE, show_default=True, callback=_mtp_type,
               help="MTP blocks (and token_embd) at this type, eh_proj F16; 'same' = like a trunk layer "
                    "(exact for copied heads); 'none' = llama.cpp's plain mix")

@@ -55,7 +55,8 @@ class ExtractResult:
     n_bytes: int             # tensor data written
 
 
-def _open(path: str | Path) -> gguf.GGUFReader:
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """gguf's reader, with a missing or malformed file as GGUFError."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
@@ -115,7 +116,7 @@ def _copy(reader: gguf.GGUFReader, dst: Path, layout: MtpLayout, keep_layer, kv_
 
 def extract_mtp(src: str | Path, dst: str | Path) -> ExtractResult:
     """Write the MTP-only GGUF of `src` to `dst` (see the module docstring)."""
-    reader = _open(src)
+    reader = open_gguf(src)
     layout = read_layout(reader, src)
     if layout.nextn_layers == 0:
         raise NoMtpHeads(f"{src} has no MTP heads ({layout.arch}.nextn_predict_layers is 0 or absent)")
@@ -126,7 +127,7 @@ def extract_mtp(src: str | Path, dst: str | Path) -> ExtractResult:
 
 def extract_trunk(src: str | Path, dst: str | Path) -> ExtractResult:
     """Write `src` without its MTP blocks to `dst` (see the module docstring)."""
-    reader = _open(src)
+    reader = open_gguf(src)
     layout = read_layout(reader, src)
     if layout.nextn_layers == 0:
         raise NoMtpHeads(f"{src} has no MTP heads ({layout.arch}.nextn_predict_layers is 0 or absent); "

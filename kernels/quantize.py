@@ -37,7 +37,7 @@ import llama_cpp as L
 import numpy as np
 from llama_cpp import llama_cpp_ext as X
 from specrun.gguf_spec.errors import SpecrunError
-from specrun.gguf_spec.extract import read_layout
+from specrun.gguf_spec.extract import open_gguf, read_layout
 from specrun.gguf_spec.testmodel import SynthConfig, write_test_model
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def _run_quantize(src: Path, dst: Path, ftype: str, overrides: Sequence[TensorOv
 
 def _mtp_tensor_names(src: Path) -> tuple[int, list[str], dict[str, int]]:
     """(n_layer, names of the MTP-block tensors, {tensor name: ggml type}) of a GGUF."""
-    reader = gguf.GGUFReader(src)
+    reader = open_gguf(src)
     layout = read_layout(reader, src)
     types = {t.name: int(t.tensor_type) for t in reader.tensors}
     mtp = [n for n in types if (m := re.match(r"blk\.(\d+)\.", n)) and int(m.group(1)) >= layout.n_layer]
@@ -465,7 +465,12 @@ def check_mtp(model: str | Path, heads: str | Path | None = None, *, prompt: Seq
     n_threads defaults to 1: on a busy machine ggml's 2-thread barrier can cost 10-100x."""
     model = Path(model)
     heads = Path(heads) if heads is not None else None
-    n_vocab = len(gguf.GGUFReader(model).fields["tokenizer.ggml.tokens"].data)
+    reader = open_gguf(model)
+    if not any(t.name == "blk.0.attn_norm.weight" for t in reader.tensors):
+        raise QuantizeError(f"{model} has no trunk (an MTP-only file?); pass the full or trunk-only "
+                            "model, and the heads file as `heads`")
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    del reader
     n_ctx = (max(len(prompt) + n_gen + time_reps + 3, n_vocab if vocab else 0) + 256) // 256 * 256
     with _LogCapture("check", None) as cap, _Pair(model, heads, n_ctx, 64, n_threads, cap) as pair:
         seq = list(prompt)
