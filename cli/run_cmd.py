@@ -64,9 +64,18 @@ class TextStream:
 @click.option("-p", "--prompt", default=None, help="the prompt text")
 @click.option("-f", "--file", "file", default=None, help="read the prompt from a file")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, tokens, stats) instead")
+@click.option("-cnv", "--conversation", is_flag=True,
+              help="chat interactively, as `specrun chat` (-p/-f then give the system prompt)")
 @handle_errors
-def run(prompt, file, as_json, **kw):
+def run(prompt, file, as_json, conversation, **kw):
     """Generate text from a prompt (streamed to stdout; statistics on stderr)."""
+    if conversation:
+        from .chat_cmd import chat_loop
+
+        if as_json:
+            raise click.UsageError("--json and -cnv/--conversation do not go together")
+        system = read_prompt(prompt, file) if prompt is not None or file is not None else None
+        return chat_loop(kw, system_prompt=system, chat_template=None, quiet=False)
     setup_logging(kw["verbose"])
     text = read_prompt(prompt, file)
     sampling = sampling_params(kw)

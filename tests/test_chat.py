@@ -1,0 +1,363 @@
+"""`specrun chat`: the ChatSession core on SmolLM2-135M-Instruct (greedy, exact mode), the REPL
+through CliRunner with piped input, and a real terminal session under a pseudo-terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pexpect
+import pytest
+from click.testing import CliRunner
+from specrun.cli.chat_cmd import ChatSession, ContextFull, history_path
+from specrun.cli.main import cli
+from specrun.gguf_spec.errors import SpecrunError
+from specrun.gguf_spec.testmodel import write_test_model
+from specrun.kernels.chat_template import template_for
+from specrun.kernels.engine import Engine, EngineParams, SpecParams
+from specrun.kernels.types import SamplingParams
+
+GREEDY = SamplingParams(temp=0.0)
+N_PREDICT = 24
+# SmolLM2 answers the first greedily and ends its turn (<|im_end|>); the second runs into -n.
+TURNS = ("Hi", "Write a Python function that adds two numbers.")
+SPECRUN = str(Path(sys.executable).with_name("specrun"))
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_path):
+    with Engine(str(smollm_path), EngineParams(n_ctx=1024)) as e:
+        yield e
+
+
+@pytest.fixture
+def session(engine):
+    """A fresh conversation (empty KV cache, no spec type) over the shared engine."""
+    engine.reset()
+    engine.set_spec(SpecParams())
+    return ChatSession(engine, template_for(engine.model), GREEDY, N_PREDICT)
+
+
+def chat(session: ChatSession, turns=TURNS) -> list:
+    """Send each turn; the Turn records (with a copy of the engine's GenStats) in order."""
+    out = []
+    for text in turns:
+        answer = "".join(session.send(text))
+        assert answer == session.last.text
+        out.append(session.last)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    """The two turns without speculative decoding, plus the renders they were built from."""
+    engine.reset()
+    engine.set_spec(SpecParams())
+    s = ChatSession(engine, template_for(engine.model), GREEDY, N_PREDICT)
+    render1 = s.template.render([{"role": "user", "content": TURNS[0]}])
+    t1 = chat(s, TURNS[:1])[0]
+    kv_after_1 = list(engine.kv_tokens)
+    t2 = chat(s, TURNS[1:])[0]
+    return dict(turns=[t1, t2], messages=s.messages, render1=render1, kv_after_1=kv_after_1,
+                render2=s.template.render(s.messages[:3]))
+
+
+# ---- the session core --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_turns_stop_at_end_of_turn_and_at_n_predict(plain):
+    t1, t2 = plain["turns"]
+    assert t1.stop == "eog" and t1.tokens[-1] == 2            # <|im_end|>, kept in the history tokens
+    assert t1.text and "<|im_end|>" not in t1.text
+    assert t2.stop == "n_predict" and len(t2.tokens) == N_PREDICT
+    assert [m["role"] for m in plain["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert plain["messages"][1]["content"] == t1.text
+
+
+@pytest.mark.slow
+def test_second_turn_evaluates_only_the_new_tokens(engine, plain):
+    t1, t2 = plain["turns"]
+    render1, render2 = plain["render1"], plain["render2"]
+    # The history's text (prompt + answer + its end-of-turn token) is a prefix of the next render ...
+    history = render1 + t1.text + "<|im_end|>"
+    assert render2.startswith(history)
+    new = engine.tokenize(render2[len(history):], add_special=False)
+    p1 = engine.tokenize(render1, add_special=False)
+    # ... the cache held prompt 1 + answer 1 but its last token (sampled, never decoded) ...
+    assert plain["kv_after_1"] == [*p1, *t1.tokens[:-1]]
+    # ... so turn 2 evaluates exactly that last token and the new text's tokens.
+    assert t2.stats.n_prompt == 1 + len(new)
+    assert t2.stats.n_prompt_total == len(p1) + len(t1.tokens) + len(new)
+    assert t1.stats.n_prompt == len(p1)                         # turn 1: everything is new
+
+
+@pytest.mark.slow
+def test_speculative_answers_equal_plain_answers(engine, plain):
+    engine.reset()
+    # ngram-simple with 2-token keys: it drafts often, so drafts are both accepted and rejected
+    engine.set_spec(SpecParams(types=("ngram-simple",), ngram_size_n=2))
+    s = ChatSession(engine, template_for(engine.model), GREEDY, N_PREDICT)
+    spec = chat(s)
+    for a, b in zip(spec, plain["turns"], strict=True):
+        assert (a.text, a.tokens, a.stop) == (b.text, b.tokens, b.stop)
+        assert a.stats.n_prompt == b.stats.n_prompt
+    drafted = sum(t.stats.n_drafted for t in spec)
+    accepted = sum(t.stats.n_accepted for t in spec)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert s.stats.n_drafted == drafted and s.stats.n_accepted == accepted
+    assert s.stats.turns == 2 and s.stats.n_gen == sum(len(t.tokens) for t in spec)
+
+
+@pytest.mark.slow
+def test_spec_switch_mid_session(session):
+    assert session.set_spec("ngram-simple") == "ngram-simple"
+    assert session.engine.params.spec.types == ("ngram-simple",)
+    with pytest.raises(SpecrunError, match="unknown spec type 'bogus'"):
+        session.set_spec("bogus")
+    with pytest.raises(SpecrunError, match="-md"):          # draft-simple needs a draft model
+        session.set_spec("draft")
+    assert session.engine.params.spec.types == ("ngram-simple",)   # a refused switch changes nothing
+    assert session.set_spec("none") == "none"
+
+
+@pytest.mark.slow
+def test_closing_the_answer_keeps_the_partial_turn(session):
+    it = session.send(TURNS[1])
+    first = next(it)
+    it.close()                                                # what Ctrl-C does in the REPL
+    t = session.last
+    assert t.stop == "interrupted" and t.text.startswith(first) and 1 <= len(t.tokens) < N_PREDICT
+    assert session.messages[-1] == {"role": "assistant", "content": t.text}
+    e = session.engine
+    assert e.ctx.pos_max() == len(e.kv_tokens) - 1           # the cache is as the engine believes
+    again = chat(session, ["Hi"])[0]                         # the session goes on, reusing the cache
+    assert again.stats.n_prompt < again.stats.n_prompt_total
+
+
+def test_save_load_round_trip(session, tmp_path):
+    session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, ünïcode!"}]
+    path = tmp_path / "conv.json"
+    session.save(str(path))
+    assert json.loads(path.read_text(encoding="utf-8")) == {"messages": session.messages}
+    other = ChatSession(session.engine, session.template, GREEDY, N_PREDICT)
+    assert other.load(str(path)) == 2
+    assert other.messages == session.messages
+    assert other.prompt_for([*other.messages, {"role": "user", "content": "x"}]) == \
+        session.prompt_for([*session.messages, {"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "cannot read"),
+    ("{not json", "is not JSON"),
+    ('{"turns": []}', "holds no conversation"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "message 0 is not"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "message 0 is not"),
+])
+def test_load_refuses_a_bad_file_and_keeps_the_conversation(session, tmp_path, content, words):
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content, encoding="utf-8")
+    session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(SpecrunError, match=words):
+        session.load(str(path))
+    assert session.messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def test_stop_tokens_are_the_turn_separator_control_tokens(session):
+    assert session.stop_tokens == {1, 2}                     # <|im_start|>, <|im_end|>
+
+
+@pytest.mark.slow
+def test_full_context_drops_the_oldest_turns(smollm_path):
+    long = " ".join(["apple banana cherry"] * 34)            # 102 tokens
+    with Engine(str(smollm_path), EngineParams(n_ctx=256)) as e:
+        assert e.n_ctx == 256
+        s = ChatSession(e, template_for(e.model), GREEDY, 8)
+        first = chat(s, [long])[0]                            # ~140 tokens with the answer
+        assert first.n_dropped == 0
+        second = chat(s, ["Again: " + long])[0]               # both turns do not fit in 256 - 8
+        assert second.n_dropped == 1 and second.tokens
+        assert [m["role"] for m in s.messages] == ["user", "assistant"]
+        assert s.messages[0]["content"].startswith("Again: ")
+        before = list(s.messages)
+        with pytest.raises(ContextFull, match=r"does not fit in the context \(\d+ tokens, ctx 256\)"):
+            next(s.send(long * 3))
+        assert s.messages == before                           # the refused message left no trace
+        assert chat(s, ["Hi"])[0].tokens                      # and the session goes on
+
+
+# ---- the REPL with piped input -----------------------------------------------------------------
+
+def invoke(*args: str, input: str):
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+
+def test_piped_bad_load_is_one_line_and_the_session_goes_on(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]", encoding="utf-8")
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}), encoding="utf-8")
+    r = invoke("chat", "-m", "smollm2-135m-instruct", "-sys", "Be brief.",
+               input=f"/load {bad}\n/bogus\n/save\n/save {tmp_path / 'sys.json'}\n/load {good}\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == ""                                     # no answers: nothing on stdout
+    assert r.stderr.splitlines() == [
+        f"error: {bad}: message 0 is not {{\"role\": system|user|assistant, \"content\": text}}",
+        "error: unknown command /bogus; /help lists the commands",
+        "error: /save needs a file name: /save FILE",
+        "saved 1 messages to " + str(tmp_path / "sys.json"),
+        f"loaded 1 messages from {good}",
+    ]
+    assert json.loads((tmp_path / "sys.json").read_text()) == {"messages": [{"role": "system", "content": "Be brief."}]}
+
+
+def test_conversation_flag_hands_over_to_chat_with_p_as_system_prompt(tmp_path):
+    out = tmp_path / "c.json"
+    r = invoke("-m", "smollm2-135m-instruct", "-cnv", "-p", "You are terse.", input=f"/save {out}\n")
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text()) == {"messages": [{"role": "system", "content": "You are terse."}]}
+    r = invoke("-m", "smollm2-135m-instruct", "-cnv", "--json", input="")
+    assert r.exit_code == 2 and "--json and -cnv/--conversation do not go together" in r.stderr
+
+
+@pytest.mark.slow
+def test_piped_turns_answer_on_stdout_statistics_on_stderr():
+    r = invoke("chat", "-m", "smollm2-135m-instruct", "--temp", "0", "-n", "8", "--spec-type", "ngram-simple",
+               input="Hi\n\\\nsecond \\\nline\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Hello")
+    stats = r.stderr.splitlines()
+    assert len(stats) == 2 and all(re.fullmatch(r"\[\d+ tokens, .* tokens/s \| prompt \d+ new \+ \d+ cached.*\]", s)
+                                   for s in stats), stats
+    assert "+ 0 cached" in stats[0] and "+ 0 cached" not in stats[1]
+    q = invoke("chat", "-m", "smollm2-135m-instruct", "--temp", "0", "-n", "8", "--quiet", input="Hi\n")
+    assert q.exit_code == 0 and q.stderr == ""
+    assert q.stdout.endswith("\n") and r.stdout.startswith(q.stdout)      # the same greedy answer
+
+
+def test_model_without_a_template_is_one_line(tmp_path):
+    path = write_test_model(tmp_path / "synth.gguf")
+    r = invoke("chat", "-m", str(path), input="hello\n")
+    assert r.exit_code == 1
+    assert r.stderr.splitlines()[-1] == (f"Error: {path} has no chat template (tokenizer.chat_template); "
+                                          "give one with --chat-template FILE")
+    tmpl = tmp_path / "t.jinja"
+    tmpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}<assistant>{% endif %}")
+    r = invoke("chat", "-m", str(path), "--chat-template", str(tmpl), "--temp", "0", "-n", "3",
+               input="hello\nhello again\n")
+    assert r.exit_code == 0, r.output
+    stats = r.stderr.splitlines()
+    assert len(stats) == 2 and "stopped at -n" in stats[0] and "+ 0 cached" not in stats[1]
+
+
+def test_history_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECRUN_HISTORY", str(tmp_path / "h"))
+    assert history_path() == tmp_path / "h"
+    monkeypatch.delenv("SPECRUN_HISTORY")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert history_path() == tmp_path / "state" / "specrun" / "chat_history"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert history_path() == tmp_path / ".local" / "state" / "specrun" / "chat_history"
+
+
+# ---- a real terminal ---------------------------------------------------------------------------
+
+ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]|\x1b[=>78]|[\x08\r]")
+
+
+class Screen:
+    """What a terminal shows, roughly: the child's output without escape sequences. wait()
+    searches forward from the end of the last match, with a deadline."""
+
+    def __init__(self, child: pexpect.spawn) -> None:
+        self.child, self.raw, self.pos = child, "", 0
+
+    @property
+    def text(self) -> str:
+        return ANSI.sub("", self.raw)
+
+    def wait(self, pattern: str, timeout: float = 180) -> re.Match:
+        rx, deadline = re.compile(pattern), time.monotonic() + timeout
+        while not (m := rx.search(self.text, self.pos)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{pattern!r} not on the screen after {timeout} s:\n{self.text[-3000:]}")
+            try:
+                self.raw += self.child.read_nonblocking(4096, timeout=0.5)
+            except pexpect.TIMEOUT:
+                pass
+        self.pos = m.end()
+        return m
+
+
+@pytest.mark.slow
+def test_terminal_session(tmp_path, smollm_path):
+    hist = tmp_path / "history"
+    env = dict(os.environ, SPECRUN_HISTORY=str(hist), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", "--temp", "0", "-n", "48"],
+                          env=env, encoding="utf-8", dimensions=(50, 200))
+    try:
+        s = Screen(child)
+        s.wait(r"chatting with SmolLM2-135M-Instruct\.Q4_1\.gguf; /help for commands")
+        s.wait(">")
+        child.sendline("Hi")
+        s.wait(r"Hi\n")
+        answer = s.wait(r"(.+)\n\[\d+ tokens, [\d.]+ tokens/s \| prompt 31 new \+ 0 cached\]\n").group(1)
+        assert answer.startswith("Hello")
+        s.wait(">")
+        child.sendline("What is the capital of France?")
+        s.wait(r"France\?\n")
+        cached = int(s.wait(r"\| prompt \d+ new \+ (\d+) cached").group(1))
+        assert cached > 31                              # turn 1's prompt and answer came from the cache
+        s.wait(">")
+        child.sendline("/help")
+        s.wait(r"/spec TYPE +switch the speculative decoding type")
+        s.wait(">")
+        child.sendline("Tell me a long story about a dragon.")
+        s.wait(r"dragon\.\n")
+        s.wait(r"\w\w")                                 # the answer has begun: stop it
+        child.sendintr()
+        s.wait(r"\[\d+ tokens, .*\| interrupted\]")
+        s.wait(">")
+        child.sendline("/stats")
+        s.wait(r"session: 3 answers, prompt eval \d+ tokens \(\d+ reused from the KV cache\)")
+        s.wait(">")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF, timeout=60)
+        child.close()
+        assert child.exitstatus == 0
+    finally:
+        if child.isalive():
+            child.kill(9)
+    lines = [ln[1:] for ln in hist.read_text().splitlines() if ln.startswith("+")]
+    assert lines == ["Hi", "What is the capital of France?", "/help", "Tell me a long story about a dragon.",
+                     "/stats", "/exit"]
+
+
+@pytest.mark.slow
+def test_terminal_ctrl_c_at_the_prompt_and_ctrl_d_leave(tmp_path, smollm_path):
+    env = dict(os.environ, SPECRUN_HISTORY=str(tmp_path / "h"), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", "-n", "4"],
+                          env=env, encoding="utf-8", dimensions=(50, 200))
+    try:
+        s = Screen(child)
+        s.wait(r"/exit to leave")
+        s.wait(">")
+        child.send("half a line")
+        s.wait("half a line")
+        child.sendintr()                                # clears the line, the session stays
+        s.wait(">")
+        child.sendeof()
+        child.expect(pexpect.EOF, timeout=60)
+        child.close()
+        assert child.exitstatus == 0
+        assert "tokens/s" not in s.text                 # nothing was sent to the model
+    finally:
+        if child.isalive():
+            child.kill(9)
+
