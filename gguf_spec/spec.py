@@ -48,6 +48,7 @@ _SCALAR_DTYPES = {int(k): np.dtype(v) for k, v in GGUFReader.gguf_scalar_to_np.i
 _INT_TYPES = frozenset(int(t) for t in (
     GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
     GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64))
+_VALUE_TYPES = frozenset(int(t) for t in GGUFValueType)
 _QUANT_TYPES = frozenset(int(t) for t in GGMLQuantizationType)
 # "blk.{bid}.nextn.eh_proj", ... : the tensors that exist only in an MTP (NextN) block
 _NEXTN_NAMES = tuple(TENSOR_NAMES[t] for t in MODEL_TENSOR if t.name.startswith("NEXTN_"))
@@ -152,23 +153,27 @@ class _Reader(GGUFReader):
         dt, count = np.dtype(dtype), int(count)
         end = offset + dt.itemsize * count
         if count < 0 or end > raw.size:
-            raise _Corrupt(f"truncated: a read of {count} x {dt.itemsize} bytes at offset {offset} "
+            raise _Corrupt(f"truncated or corrupt GGUF: a read of {count} x {dt.itemsize} bytes at offset {offset} "
                            f"runs past the end of the file ({raw.size} bytes)")
         arr = raw[offset:end].view(dt)
         order = self.byte_order if override_order is None else override_order
         return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        if int(raw_type) not in _VALUE_TYPES:
+            raise _Corrupt(f"unknown metadata value type {int(raw_type)} at offset {orig_offs}")
         if raw_type != _ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype = self._get(orig_offs, np.uint32)
         alen = self._get(orig_offs + 4, np.uint64)
         itype, n = int(raw_itype[0]), int(alen[0])
+        if itype not in _VALUE_TYPES:
+            raise _Corrupt(f"unknown metadata value type {itype} in the array at offset {orig_offs}")
         dt = _SCALAR_DTYPES.get(itype)
         min_size = dt.itemsize if dt is not None else 12 if itype == _ARRAY else 8
         left = self._raw.size - (orig_offs + 12)
         if n > left // min_size:
-            raise _Corrupt(f"an array at offset {orig_offs} claims {n} elements but only {left} bytes follow")
+            raise _Corrupt(f"truncated or corrupt GGUF: an array at offset {orig_offs} claims {n} elements but only {left} bytes follow")
         if dt is None:
             return super()._get_field_parts(orig_offs, raw_type)
         vals = self._get(orig_offs + 12, dt, n)
@@ -220,10 +225,11 @@ def _check_header(path: Path, size: int) -> None:
     n_tensors, n_kv = struct.unpack_from(order + "QQ", head, 8)
     room = size - _HEADER
     if n_kv > room // _MIN_KV:
-        raise _fail(path, f"corrupt GGUF header: {n_kv} metadata entries cannot fit in {size} bytes")
+        raise _fail(path, f"truncated or corrupt GGUF: the header claims {n_kv} metadata entries, "
+                          f"which cannot fit in {size} bytes")
     if n_tensors > (room - n_kv * _MIN_KV) // _MIN_TENSOR_INFO:
-        raise _fail(path, f"corrupt GGUF header: {n_tensors} tensors and {n_kv} metadata entries "
-                          f"cannot fit in {size} bytes")
+        raise _fail(path, f"truncated or corrupt GGUF: the header claims {n_tensors} tensors and {n_kv} "
+                          f"metadata entries, which cannot fit in {size} bytes")
 
 
 def _open(path: Path) -> _Reader:

@@ -1,0 +1,213 @@
+"""Bad files: every one gives GGUFError with one line naming the file (and `specrun inspect`
+exits 1 with that line on stderr), never a traceback, a hang or gigabytes of memory."""
+
+from __future__ import annotations
+
+import struct
+import time
+import tracemalloc
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import write_gguf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from specrun.cli.main import cli
+from specrun.gguf_spec.errors import GGUFError
+from specrun.gguf_spec.spec import ModelSpec, load_spec
+
+STRING, ARRAY, UINT32 = 8, 9, 4
+
+
+def header(n_tensors: int = 0, n_kv: int = 0, version: int = 3) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv)
+
+
+def gstr(s: bytes) -> bytes:
+    return struct.pack("<Q", len(s)) + s
+
+
+def kv_str(key: bytes, val: bytes) -> bytes:
+    return gstr(key) + struct.pack("<I", STRING) + gstr(val)
+
+
+def kv_u32(key: bytes, val: int) -> bytes:
+    return gstr(key) + struct.pack("<II", UINT32, val)
+
+
+ARCH = kv_str(b"general.architecture", b"llama")
+
+
+def tensor_info(name: bytes, dims: list[int], ggml_type: int = 0, offset: int = 0, n_dims: int | None = None) -> bytes:
+    n = len(dims) if n_dims is None else n_dims
+    return gstr(name) + struct.pack("<I", n) + b"".join(struct.pack("<Q", d) for d in dims) + \
+        struct.pack("<IQ", ggml_type, offset)
+
+
+def tiny_bytes(tmp_path: Path) -> bytes:
+    return write_gguf(tmp_path / "src.gguf").read_bytes()
+
+
+# name -> (file contents from tmp_path, or None for "no file"; words the message must hold)
+CASES = {
+    "missing": (None, "no such file"),
+    "directory": ("dir", "is a directory, not a GGUF file"),
+    "empty": (lambda p: b"", "is empty, not a GGUF file"),
+    "text": (lambda p: b"hello, this is not a model\n" * 4, "not a GGUF file (it starts with b'hell'"),
+    "short header": (lambda p: b"GGUF\x03\x00\x00", "truncated GGUF: 7 bytes, shorter than the 24-byte header"),
+    "version 1": (lambda p: header(version=1) + b"\0" * 64, "GGUF version 1 is not supported"),
+    "version 99": (lambda p: header(version=99) + b"\0" * 64, "GGUF version 99 is not supported"),
+    "tensor count 2^40": (lambda p: header(n_tensors=2**40, n_kv=1) + ARCH,
+                          "the header claims 1099511627776 tensors and 1 metadata entries, which cannot fit in"),
+    "kv count 2^40": (lambda p: header(n_kv=2**40) + ARCH, "claims 1099511627776 metadata entries, which cannot fit in"),
+    "string length 2^60": (lambda p: header(n_kv=1) + gstr(b"general.architecture") +
+                           struct.pack("<IQ", STRING, 2**60) + b"llama" * 20,
+                           "truncated or corrupt GGUF: a read of 1152921504606846976 x 1 bytes at offset"),
+    "key length 2^60": (lambda p: header(n_kv=1) + struct.pack("<Q", 2**60) + b"x" * 64,
+                        "truncated or corrupt GGUF: a read of 1152921504606846976 x 1 bytes"),
+    # the stock GGUFReader loops forever on this one: empty reads past the end never advance
+    "u32 array length 2^60": (lambda p: header(n_kv=2) + ARCH + gstr(b"tokenizer.ggml.token_type") +
+                              struct.pack("<IIQ", ARRAY, UINT32, 2**60) + b"\0" * 64,
+                              "claims 1152921504606846976 elements but only 64 bytes follow"),
+    "string array length 2^40": (lambda p: header(n_kv=2) + ARCH + gstr(b"tokenizer.ggml.tokens") +
+                                 struct.pack("<IIQ", ARRAY, STRING, 2**40) + gstr(b"a") * 8,
+                                 "claims 1099511627776 elements but only 72 bytes follow"),
+    "unknown value type": (lambda p: header(n_kv=1) + gstr(b"general.x") + struct.pack("<II", 77, 0) + b"\0" * 32,
+                           "unknown metadata value type 77 at offset 45"),
+    "unknown array type": (lambda p: header(n_kv=1) + gstr(b"general.x") + struct.pack("<IIQ", ARRAY, 78, 1) +
+                           b"\0" * 32, "unknown metadata value type 78 in the array at offset 45"),
+    "n_dims 1000": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"w", [1] * 1000) + b"\0" * 64,
+                    "tensor 'w' has 1000 dimensions (at most 4)"),
+    "n_dims 2^32-1": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"w", [4], n_dims=2**32 - 1) +
+                      b"\0" * 64, "truncated or corrupt GGUF: a read of 4294967295 x 8 bytes"),
+    "unknown ggml type": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"w", [4], 999) + b"\0" * 64,
+                          "tensor 'w' has unknown ggml type 999"),
+    "bad row size": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"w", [33], 8) + b"\0" * 64,
+                     "tensor 'w' of type Q8_0 has a row of 33 elements, not a multiple of its block size 32"),
+    "tensor data past EOF": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"w", [2**20]) + b"\0" * 64,
+                             "tensor 'w' data (4194304 bytes at offset 128) runs past the end of the file "
+                             "(166 bytes); the file is truncated, download it again"),
+    "tensor offset 2^63": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"w", [4], 0, 2**63) +
+                           b"\0" * 64, "runs past the end of the file"),
+    "tensor dims overflow": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"w", [2**40, 2**40, 2**40]) +
+                             b"\0" * 64, "runs past the end of the file"),
+    "truncated in tensor data": (lambda p: tiny_bytes(p)[:-100], "the file is truncated, download it again"),
+    "truncated in the header's reach": (lambda p: tiny_bytes(p)[:300], "truncated or corrupt GGUF: the header claims "
+                                        "20 tensors and 19 metadata entries, which cannot fit in 300 bytes"),
+    "truncated in metadata": (lambda p: tiny_bytes(p)[:1000], "truncated or corrupt GGUF: an array at offset 986 "
+                              "claims 32 elements but only 2 bytes follow"),
+    "truncated in tensor infos": (lambda p: tiny_bytes(p)[:2000], "truncated or corrupt GGUF: a read of"),
+    "duplicate key": (lambda p: header(n_kv=2) + ARCH + ARCH, "corrupt GGUF (KeyError: 'Duplicate general.architecture"),
+    "bad alignment": (lambda p: header(n_kv=2) + ARCH + kv_u32(b"general.alignment", 3) + b"\0" * 32,
+                      "Invalid alignment: must be a non-zero power of two"),
+    "key not UTF-8": (lambda p: header(n_kv=1) + kv_str(b"\xff\xfe", b"x") + b"\0" * 32,
+                      "corrupt GGUF (UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff"),
+    "no architecture": (lambda p: header() + b"\0" * 32,
+                        "no general.architecture in the metadata; this is not a model file"),
+    "block_count of the wrong type": (lambda p: header(n_kv=2) + ARCH + kv_str(b"llama.block_count", b"thirty"),
+                                      "metadata llama.block_count has type STRING, expected int"),
+    "newline in a name": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"a\nb", [4], 999) + b"\0" * 64,
+                          "tensor 'a b' has unknown ggml type 999"),
+}
+
+
+def make_case(tmp_path: Path, name: str) -> Path:
+    content, _ = CASES[name]
+    path = tmp_path / "bad.gguf"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content(tmp_path))
+    return path
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", list(CASES))
+def test_load_spec_raises_one_line(tmp_path, name):
+    path = make_case(tmp_path, name)
+    t0 = time.perf_counter()
+    with pytest.raises(GGUFError) as e:
+        load_spec(path)
+    assert time.perf_counter() - t0 < 5
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ")
+    assert "\n" not in msg
+    assert CASES[name][1] in msg
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", list(CASES))
+def test_inspect_exits_1_with_one_line(tmp_path, name):
+    path = make_case(tmp_path, name)
+    r = CliRunner().invoke(cli, ["inspect", str(path)])
+    assert r.exit_code == 1, r.output
+    assert isinstance(r.exception, SystemExit)          # not a traceback
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"Error: {path}: ") and CASES[name][1] in lines[0]
+
+
+def test_unreadable_path(tmp_path):
+    path = tmp_path / ("x" * 300 + ".gguf")                # stat fails with ENAMETOOLONG, even for root
+    with pytest.raises(GGUFError, match=r"xxx.gguf: cannot read it \(File name too long\)$"):
+        load_spec(path)
+
+
+# ---- property: any mutation or truncation of a small GGUF ends in a ModelSpec or a GGUFError ----
+
+BIG = [0, 1, 4, 999, 1000, 2**31, 2**32 - 1, 2**40, 2**60, 2**63, 2**64 - 1]
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory) -> tuple[bytes, int, Path]:
+    d = tmp_path_factory.mktemp("fuzz")
+    path = write_gguf(d / "base.gguf", arch="qwen35", n_layer=1, nextn=1, n_embd=32,
+                      tokens=["<unk>", "<s>", "</s>", "x", "y", "z", "ab"], chat_template="{{ x }}")
+    base = path.read_bytes()
+    meta_end = min(t.offset for t in load_spec(path).tensors)       # header, metadata, tensor infos
+    return base, meta_end, d / "mutant.gguf"
+
+
+@st.composite
+def mutants(draw, base: bytes, meta_end: int) -> bytes:
+    data = bytearray(base)
+    at = st.one_of(st.integers(0, meta_end - 1), st.integers(0, len(base) - 1))     # mostly metadata
+    for pos, byte in draw(st.lists(st.tuples(at, st.integers(0, 255)), max_size=6)):
+        data[pos] = byte
+    for pos, value in draw(st.lists(st.tuples(st.integers(0, meta_end - 8), st.sampled_from(BIG)), max_size=3)):
+        data[pos:pos + 8] = struct.pack("<Q", value)                                 # an absurd count/length
+    cut = draw(st.one_of(st.none(), st.integers(0, len(data))))
+    return bytes(data if cut is None else data[:cut])
+
+
+def test_mutants_end_in_spec_or_gguf_error(fuzz_dir):
+    base, meta_end, path = fuzz_dir
+    outcomes = {"spec": 0, "error": 0}
+
+    @settings(max_examples=200, deadline=timedelta(seconds=5), derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(mutants(base, meta_end))
+    def check(data: bytes) -> None:
+        path.write_bytes(data)
+        tracemalloc.start()
+        try:
+            spec = load_spec(path)
+        except GGUFError as e:
+            msg = str(e)
+            assert msg.startswith(f"{path}: ") and "\n" not in msg
+            outcomes["error"] += 1
+        else:
+            assert isinstance(spec, ModelSpec)
+            assert all(t.offset + t.n_bytes <= len(data) for t in spec.tensors)
+            outcomes["spec"] += 1
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert peak < 64 * 2**20, f"{peak} bytes allocated for a {len(data)}-byte file"
+
+    check()
+    print(outcomes)
+    assert outcomes["error"] > 20 and sum(outcomes.values()) >= 200      # the mutations do bite
