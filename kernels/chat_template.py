@@ -47,8 +47,10 @@ class ChatTemplate:
             raise
         except jinja2.exceptions.SecurityError as e:
             raise TemplateError(f"the chat template tried an unsafe operation and was refused ({e})") from None
-        except jinja2.TemplateError as e:
+        except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"the chat template is not valid Jinja: {e}") from None
+        except Exception as e:  # undefined names, the sandbox's range cap, a TypeError in the template...
+            raise TemplateError(f"the chat template failed while rendering ({type(e).__name__}: {e})") from None
 
 
 def template_for(model, override_path: str | None = None) -> ChatTemplate:
