@@ -90,7 +90,7 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, **kw):
         sock = ucfg.bind_socket()
         bound = sock.getsockname()[1]
         spec = ",".join(params.spec.types) or "none"
-        err_console.print(f"specrun serve: {config.alias} on http://{host}:{bound} ({parallel} slots, "
+        err_console.print(f"specrun serve: {config.alias} on http://{host}:{bound} ({parallel} slot{'s' * (parallel > 1)}, "
                           f"ctx {state.n_ctx}, spec {spec}, requests may use: {', '.join(spec_types)})",
                           markup=False, soft_wrap=True)
         _run(ucfg, sock, pool.cancel_all)

@@ -364,6 +364,13 @@ def create_app(state: ServerState) -> FastAPI:
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         return ApiError(exc.status_code, msg, str(exc.detail).lower().replace(" ", "_"), exc.headers).response()
 
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        state.metrics.error(500)   # answered outside Guard (by Starlette's outermost middleware)
+        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
+                                       "type": "server_error", "code": "internal_error"}}, status_code=500)
+
     def oai_id(kind: str) -> str:
         return f"{kind}-{uuid.uuid4().hex[:24]}"
 

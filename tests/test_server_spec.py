@@ -1,0 +1,173 @@
+"""`specrun serve` started with a server-level spec type (ngram-simple on SmolLM2, draft-mtp on the
+synthetic MTP model), and with --api-key, one slot and a queue of one: the content equals plain
+decoding, requests without the key get 401, a full queue gets 503 with Retry-After, a client that
+leaves mid-stream frees the slot for the one waiting, and SIGTERM shuts down cleanly (exit 0)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from test_server import MODEL, REPEAT, ServerProcess, T, delta
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ngram_server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("serve-ngram"), "-m", MODEL, "-c", "512", "-n", "48", "-t", "1",
+                        "--spec-type", "ngram-simple", "--spec-draft-n-max", "8")
+    yield srv
+    srv.kill()
+
+
+def test_server_level_ngram_equals_none(ngram_server):
+    default = ngram_server.completion(REPEAT, 40)
+    plain = ngram_server.completion(REPEAT, 40, speculative={"type": "none"})
+    assert default["content"] == plain["content"] and default["tokens"] == plain["tokens"]
+    assert default["generation_settings"]["speculative"] == {"type": ["ngram-simple"], "n_max": 8, "n_min": 0,
+                                                             "p_min": 0.0}
+    assert default["timings"]["draft_n"] > 0 and plain["timings"]["draft_n"] == 0
+    c = ngram_server.client()
+    msgs = [{"role": "user", "content": "Repeat exactly:\n" + REPEAT}]
+    a = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32, temperature=0)
+    b = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32, temperature=0,
+                                  extra_body={"speculative": {"type": "none"}})
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def mtp_server(tmp_path_factory):
+    from specrun.gguf_spec.testmodel import Head, SynthConfig, write_test_model
+
+    d = tmp_path_factory.mktemp("serve-mtp")
+    path = write_test_model(d / "mtp.gguf", SynthConfig(head=Head.parse("exact")), "f16")
+    srv = ServerProcess(d, "-m", str(path), "-c", "256", "-n", "24", "-t", "1",
+                        "--spec-type", "draft-mtp")
+    yield srv
+    srv.kill()
+
+
+def test_draft_mtp_equals_none(mtp_server):
+    prompt = "hello world, this is"
+    mtp = mtp_server.completion(prompt, 24)
+    plain = mtp_server.completion(prompt, 24, speculative={"type": "none"})
+    assert mtp["tokens"] == plain["tokens"] and mtp["content"] == plain["content"]
+    assert len(mtp["tokens"]) == 24
+    t = mtp["timings"]
+    assert t["draft_n"] > 0 and t["draft_n_accepted"] == t["draft_n"]    # the exact head drafts the target
+    assert plain["timings"]["draft_n"] == 0
+    oai = mtp_server.post("/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0}).json()
+    assert oai["choices"][0]["text"] == mtp["content"] and oai["timings"]["draft_n"] > 0
+    models = mtp_server.http.get("/v1/models").json()["data"][0]["meta"]
+    assert models["spec_types_available"] == ["none", "ngram-simple", "draft-mtp"]
+    assert models["chat_template"] is False
+
+
+def test_chat_without_template_is_400(mtp_server):
+    r = mtp_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
+    assert "--chat-template" in r.json()["error"]["message"]
+
+
+# ---- --api-key, one slot, a queue of one ---------------------------------------------------------
+
+KEY = "sk-test-123"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("serve-key"), "-m", MODEL, "-c", "512", "-np", "1", "-t", "1",
+                        "--queue", "1", api_key=KEY)
+    yield srv
+    srv.kill()
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                         ("POST", "/v1/chat/completions"), ("POST", "/completion"),
+                                         ("GET", "/metrics"), ("GET", "/openapi.json")])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", KEY, "Basic c2stdGVzdC0xMjM="])
+def test_api_key_required(guarded, method, path, auth):
+    headers = {"Authorization": auth} if auth else {}
+    r = httpx.request(method, guarded.url + path, headers=headers, timeout=T,
+                      json={"prompt": "x", "max_tokens": 1} if method == "POST" else None)
+    assert r.status_code == 401
+    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "authentication_error",
+                                 "code": "invalid_api_key"}
+    assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_api_key_health_open_and_key_works(guarded):
+    assert httpx.get(guarded.url + "/health", timeout=T).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", timeout=T, max_retries=0).models.list()
+    c = guarded.client()
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert r.choices[0].text
+    assert guarded.http.get("/openapi.json").json()["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+
+
+def _wait_metric(srv: ServerProcess, pred, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = srv.metrics()
+        if pred(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_full_queue_503_and_disconnect_frees_the_slot(guarded):
+    """Slot taken by a long stream, one request waiting (the queue's one place): a third gets 503 with
+    Retry-After. The stream's client then leaves: the waiting request gets the slot at once."""
+    before = guarded.metrics()
+    waiting: dict[str, object] = {}
+    long_body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0, "stream": True}
+    with guarded.http.stream("POST", "/v1/completions", json=long_body) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))   # generating: the slot is taken
+
+        def wait_in_queue() -> None:
+            t0 = time.monotonic()
+            r = guarded.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
+                                                 "temperature": 0})
+            waiting.update(status=r.status_code, text=r.json()["choices"][0]["text"], t_done=time.monotonic(),
+                           t_wait=time.monotonic() - t0)
+
+        th = threading.Thread(target=wait_in_queue)
+        th.start()
+        m = _wait_metric(guarded, lambda m: m["specrun_requests_waiting"] == 1)
+        assert m["specrun_requests_waiting"] == 1 and m["specrun_slots_busy"] == 1
+        busy = guarded.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert busy.status_code == 503, busy.text
+        assert busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["code"] == "server_busy"
+        for _ in range(3):
+            next(lines)
+        t_leave = time.monotonic()
+    th.join(T)
+    assert waiting["status"] == 200 and waiting["text"]
+    assert waiting["t_done"] - t_leave < 5.0      # not after the 400 tokens the stream asked for
+    after = _wait_metric(guarded, lambda m: delta(m, before, "specrun_requests_total") == 2)
+    assert delta(after, before, "specrun_requests_interrupted_total") == 1
+    assert delta(after, before, "specrun_tokens_generated_total") < 400 + 4
+    assert delta(after, before, "specrun_errors_total", code="503") == 1
+    assert after["specrun_slots_busy"] == 0 and after["specrun_requests_waiting"] == 0
+
+
+def test_sigterm_shuts_down_cleanly(guarded):
+    """SIGTERM while a stream is generating: the stream ends, the process exits 0."""
+    body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0, "stream": True}
+    with guarded.http.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        t0 = time.monotonic()
+        guarded.proc.send_signal(15)
+        rest = [line for line in lines if line]     # ends (the generation is stopped), with [DONE]
+    assert rest[-1] == "data: [DONE]"
+    assert guarded.proc.wait(20) == 0
+    assert time.monotonic() - t0 < 10
+    assert "stopped" in guarded.log()
