@@ -255,7 +255,7 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], n_predict: int = -1,
                  sampling: SamplingParams = SamplingParams(), *,
-                 spec: SpecParams | None = None) -> Iterator[list[int]]:
+                 spec: SpecParams | None = None, drafters: Sequence | None = None) -> Iterator[list[int]]:
         """Yield emitted tokens (lists, in order) until end-of-generation, n_predict tokens
         (-1: until the context is full) or the context is full.
 
@@ -269,7 +269,9 @@ class Engine:
         if len(prompt) >= self.n_ctx:
             raise SpecrunError(f"the prompt exceeds the context size ({len(prompt)} tokens, ctx {self.n_ctx}); "
                                "raise -c or shorten the prompt")
-        if spec is None:
+        if drafters is not None:          # explicit drafter objects (tests), with spec's numbers
+            spec = spec or self.params.spec
+        elif spec is None:
             spec, drafters = self.params.spec, self.drafters
         else:
             drafters = self._explicit if self._explicit is not None else self.drafters_for(spec)

@@ -1,0 +1,185 @@
+"""The core property: speculative output equals plain decoding token for token (exact mode).
+
+For every spec type, greedy and seeded sampling at temperature 0.8 (sample-and-match
+verification), n-max in {1, 3, 8, 15}, prompts shorter and longer than 256 tokens, forced through
+both branches: a drafter that is always right (the target itself / an exact MTP head / an oracle)
+and one that is always wrong (shifted ids / a random MTP head).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from specrun.kernels.draft_model import DraftModel
+from specrun.kernels.engine import Engine, EngineParams, SpecParams
+from specrun.kernels.types import SamplingParams
+
+from drafters import OracleDraft, ShiftedDraft
+
+pytestmark = pytest.mark.slow
+
+N_MAX = (1, 3, 8, 15)
+TEMPS = (0.0, 0.8)
+N_GEN = 32
+SEED = 1234
+
+_CODE = (Path(__file__).resolve().parents[1] / "kernels" / "stats.py").read_text()[:2400]
+PROMPTS = {
+    # under 256 tokens: grounded rewriting, so n-grams repeat
+    "short": "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+             "Rewrite the function above exactly:\n\ndef fib(n):\n",
+    # over 256 tokens: flash attention's split-KV path would differ without exact mode
+    "long": "Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE[:300],
+}
+
+
+def sampling(temp: float) -> SamplingParams:
+    return SamplingParams(temp=temp, seed=SEED)
+
+
+def spec(types=(), n_max=3, **kw) -> SpecParams:
+    return SpecParams(types=types, n_max=n_max, verify="match", **kw)
+
+
+def run(engine: Engine, prompt: np.ndarray, temp: float, **kw) -> list[int]:
+    out: list[int] = []
+    for toks in engine.generate(prompt, N_GEN, sampling(temp), **kw):
+        out.extend(toks)
+    return out
+
+
+class Target:
+    """One engine per model for the module, its plain outputs cached."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.engine = Engine(self.path, EngineParams(n_ctx=2048))
+        self.prompts = {k: self.engine.tokenize(v) for k, v in PROMPTS.items()}
+        self._plain: dict = {}
+        self._self_draft: DraftModel | None = None
+
+    def plain(self, prompt: str, temp: float) -> list[int]:
+        key = (prompt, temp)
+        if key not in self._plain:
+            self._plain[key] = run(self.engine, self.prompts[prompt], temp, spec=spec())
+            assert self.engine.stats.n_target_passes == len(self._plain[key]) - 1   # one pass per token
+        return self._plain[key]
+
+    def self_draft(self) -> DraftModel:
+        if self._self_draft is None:
+            self._self_draft = DraftModel(self.engine, self.path)
+        return self._self_draft
+
+
+@pytest.fixture(scope="module", params=["gemma", "smollm"])
+def target(request, gemma_path, smollm_path):
+    t = Target(gemma_path if request.param == "gemma" else smollm_path)
+    yield t
+    t.engine.close()
+
+
+def test_prompts_cover_both_sides_of_256(target):
+    assert len(target.prompts["short"]) < 256 < len(target.prompts["long"])
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+@pytest.mark.parametrize("n_max", N_MAX)
+def test_ngram_simple_equals_plain(target, prompt, temp, n_max):
+    got = run(target.engine, target.prompts[prompt], temp,
+              spec=spec(("ngram-simple",), n_max, ngram_size_n=2, ngram_size_m=16))
+    assert got == target.plain(prompt, temp)
+
+
+def test_ngram_simple_drafts_and_accepts_on_copying(target):
+    """The branch that accepts is really taken (greedy copy of a long file)."""
+    run(target.engine, target.prompts["long"], 0.0, spec=spec(("ngram-simple",), 8, ngram_size_n=2, ngram_size_m=16))
+    st = target.engine.stats
+    assert st.n_drafted > 0 and st.n_accepted > 0
+    assert st.n_target_passes < st.n_gen - 1
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+@pytest.mark.parametrize("n_max", N_MAX)
+def test_draft_self_equals_plain(target, prompt, temp, n_max):
+    """The target as its own draft model: greedy accepts every draft token."""
+    got = run(target.engine, target.prompts[prompt], temp, spec=spec(n_max=n_max),
+              drafters=[target.self_draft()])
+    st = target.engine.stats
+    assert got == target.plain(prompt, temp)
+    assert st.n_drafted > 0
+    if temp == 0.0:
+        assert st.n_accepted == st.n_drafted
+        assert st.drafters[0].n_acc_drafts == st.drafters[0].n_gen_drafts
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+@pytest.mark.parametrize("n_max", N_MAX)
+def test_draft_always_wrong_equals_plain(target, prompt, temp, n_max):
+    wrong = ShiftedDraft(target.self_draft(), target.engine.model.n_vocab)
+    got = run(target.engine, target.prompts[prompt], temp, spec=spec(n_max=n_max), drafters=[wrong])
+    st = target.engine.stats
+    assert got == target.plain(prompt, temp)
+    assert st.n_drafted > 0
+    if temp == 0.0:
+        assert st.n_accepted == 0
+        assert st.n_target_passes == len(got) - 1
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("n_max", N_MAX)
+def test_oracle_accepts_everything_when_sampling(target, temp, n_max):
+    """A drafter that proposes plain decoding's own seeded output is accepted in full at any
+    temperature: position-keyed draws make the verifier's samples equal plain sampling."""
+    ref = target.plain("long", temp)
+    n_prompt = len(target.prompts["long"])
+    got = run(target.engine, target.prompts["long"], temp, spec=spec(n_max=n_max),
+              drafters=[OracleDraft(ref, n_prompt)])
+    st = target.engine.stats
+    assert got == ref
+    assert st.n_accepted == st.n_drafted > 0
+
+
+# ---- draft-mtp on tiny qwen35 models (bit-exact with quantized weights) ----------------------
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory):
+    from specrun.gguf_spec.testmodel import Head, SynthConfig
+    from specrun.kernels.quantize import build_test_model
+
+    d = tmp_path_factory.mktemp("mtp")
+    return {head: build_test_model(d / f"{head}.gguf", SynthConfig(head=Head.parse(head)), "q8_0")
+            for head in ("exact", "random")}
+
+
+@pytest.mark.parametrize("head", ["exact", "random"])
+def test_draft_mtp_equals_plain(mtp_models, head):
+    path = str(mtp_models[head])
+    prompts = {"short": "Hello world, this is a test.", "long": "the quick brown fox jumps over the lazy dog " * 40}
+    with Engine(path, EngineParams(n_ctx=2048, spec=spec(("draft-mtp",)))) as e:
+        toks = {k: e.tokenize(v) for k, v in prompts.items()}
+        assert len(toks["short"]) < 256 < len(toks["long"])
+        for name, prompt in toks.items():
+            for temp in TEMPS:
+                plain = run(e, prompt, temp, spec=spec())
+                for n_max in N_MAX:
+                    got = run(e, prompt, temp, spec=spec(("draft-mtp",), n_max))
+                    st = e.stats
+                    assert got == plain, (name, temp, n_max)
+                    assert st.n_drafted > 0
+                    if head == "exact" and temp == 0.0:
+                        assert st.n_accepted == st.n_drafted, (name, n_max)
+                    if head == "random" and temp == 0.0:
+                        assert st.acceptance_rate < 0.2, (name, n_max)
+
+
+def test_draft_mtp_without_heads_is_refused(smollm_path):
+    from specrun.gguf_spec.errors import SpecrunError
+
+    with pytest.raises(SpecrunError, match="no MTP heads.*specrun inspect"):
+        Engine(str(smollm_path), EngineParams(spec=spec(("draft-mtp",))))
