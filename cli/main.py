@@ -63,3 +63,7 @@ _register()
 
 def main() -> None:
     cli(prog_name="specrun")
+
+
+if __name__ == "__main__":
+    main()

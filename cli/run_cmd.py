@@ -16,6 +16,8 @@ from .options import engine_params, model_options, sampling_options, sampling_pa
 def read_prompt(prompt: str | None, file: str | None) -> str:
     if prompt is not None and file is not None:
         raise click.UsageError("give the prompt with -p or -f, not both")
+    if file == "-":
+        return sys.stdin.read()
     if file is not None:
         try:
             with open(file, encoding="utf-8") as fh:

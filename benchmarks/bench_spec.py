@@ -1,0 +1,246 @@
+"""Side-by-side speed of spec types, measured in one process with interleaved repetitions.
+
+    python benchmarks/bench_spec.py [--reps 3] [-n 128] [--threads 2] [--quick] [--out FILE.json]
+
+Setups (greedy, 2 threads, exact mode unless stated):
+  * Gemma 3 270M Q4_K_M: none, ngram-simple (default and size-n 3 / size-m 16), draft (the model
+    itself: the upper bound of acceptance at the cost of a second full model), on an
+    input-grounded prompt (rewrite a code file) and a free prompt; plus llama-cpp-python's
+    high-level `Llama` and `Llama` + `LlamaPromptLookupDecoding` on the same prompts.
+  * Tiny qwen35 + MTP models of realistic shape (24 trunk layers, n_embd 512, n_ff 2048; f16
+    exact head, f16 noisy head sigma 0.1, q8_0 exact head): none vs draft-mtp at n-max 1, 3, 5.
+Reports generation tokens/s (median over reps), the ratio to `none` of the same setup and prompt,
+acceptance rate, mean accepted length, tokens per target pass, and whether the tokens equal
+`none`'s. Prints a markdown table; writes all numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = (ROOT / "kernels" / "sampling.py").read_text()[:1800]
+PROMPTS = {
+    "code-rewrite": "Here is a Python module. Rewrite it exactly, keeping every line.\n\n```python\n" + CODE
+                    + "\n```\n\nRewritten:\n\n```python\n",
+    "free": "Once upon a time, in a small village at the edge of a great forest, there lived",
+}
+MTP_PROMPTS = {"free": "Hello world, this is a test of speculative decoding with the MTP head of a model"}
+
+
+@dataclass
+class Row:
+    setup: str
+    prompt: str
+    name: str
+    tps: list[float] = field(default_factory=list)
+    total_s: list[float] = field(default_factory=list)
+    acc_rate: float | None = None
+    mean_acc_len: float | None = None
+    tokens_per_pass: float | None = None
+    equal_to_none: bool | None = None
+    tokens: list[int] | None = None
+
+
+def specrun_runner(path: str, types: tuple, n_max: int, threads: int, n_predict: int, exact: bool = True,
+                   draft: str | None = None, **spec_kw):
+    from specrun.kernels.engine import Engine, EngineParams, SpecParams
+    from specrun.kernels.types import SamplingParams
+
+    spec = SpecParams(types=types, n_max=n_max, **spec_kw)
+    engine = Engine(path, EngineParams(n_ctx=4096, n_threads=threads, exact=exact, spec=spec, draft_model=draft))
+
+    def go(prompt_text: str, row: Row) -> None:
+        toks = engine.tokenize(prompt_text)
+        engine.reset()
+        t0 = time.perf_counter()
+        out = [t for chunk in engine.generate(toks, n_predict, SamplingParams(temp=0.0)) for t in chunk]
+        total = time.perf_counter() - t0
+        st = engine.stats
+        row.tps.append(st.gen_tps)
+        row.total_s.append(total)
+        row.tokens = out
+        if st.drafters:
+            row.acc_rate = st.acceptance_rate
+            row.mean_acc_len = st.drafters[0].mean_acc_len if len(st.drafters) == 1 else None
+        row.tokens_per_pass = st.tokens_per_pass
+
+    return go, engine.close
+
+
+_PEER = r"""
+import json, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+path, threads, n, lookup, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.stdin.read()
+llm = Llama(path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None)
+t0 = time.perf_counter()
+r = llm.create_completion(prompt, max_tokens=n, temperature=0.0, top_k=1)
+dt = time.perf_counter() - t0
+toks = llm.tokenize(r["choices"][0]["text"].encode(), add_bos=False, special=True)
+print(json.dumps({"total_s": dt, "n": r["usage"]["completion_tokens"], "tokens": toks}))
+"""
+
+
+def subprocess_runner(kind: str, path: str, threads: int, n_predict: int, extra: tuple = ()):
+    """Runs in a fresh process each time (its own llama.cpp settings): llama-cpp-python's high-level
+    Llama (kind 'llama' / 'llama-lookup') or the specrun CLI with --json (kind 'specrun')."""
+    import subprocess
+
+    def go(prompt_text: str, row: Row) -> None:
+        if kind.startswith("llama"):
+            cmd = [sys.executable, "-c", _PEER, path, str(threads), str(n_predict), "1" if kind == "llama-lookup" else "0"]
+        else:
+            cmd = [sys.executable, "-m", "specrun.cli.main", "-m", path, "-t", str(threads), "-n", str(n_predict),
+                   "--temp", "0", "--json", "-f", "-", *extra]
+        r = subprocess.run(cmd, input=prompt_text, capture_output=True, text=True, timeout=600, check=True)
+        d = json.loads(r.stdout)
+        if kind.startswith("llama"):
+            row.total_s.append(d["total_s"])
+            row.tps.append(d["n"] / d["total_s"])
+            row.tokens = d["tokens"]
+        else:
+            st = d["stats"]
+            total = st["t_prompt_s"] + st["t_gen_s"]
+            row.total_s.append(total)
+            row.tps.append(st["n_gen"] / total)
+            row.tokens = d["tokens"]
+            row.acc_rate = st["acceptance_rate"] if st["drafters"] else None
+            row.tokens_per_pass = st["tokens_per_pass"]
+
+    return go, lambda: None
+
+
+def interleave(runners: dict, prompts: dict, rows: dict, reps: int, label: str) -> None:
+    for rep in range(reps):
+        for pname, ptext in prompts.items():
+            for name, (go, _) in runners.items():
+                print(f"[{label}] rep {rep + 1}/{reps} {pname} {name}", file=sys.stderr, flush=True)
+                go(ptext, rows[(pname, name)])
+
+
+def finish(rows: dict, setup: str, baseline: str = "none") -> list[dict]:
+    out = []
+    for (pname, name), r in rows.items():
+        base = rows.get((pname, baseline))
+        tps = statistics.median(r.tps)
+        d = {"setup": setup, "prompt": pname, "setting": name, "gen_tps": round(tps, 2),
+             "gen_tps_min": round(min(r.tps), 2), "gen_tps_max": round(max(r.tps), 2),
+             "total_s": round(statistics.median(r.total_s), 3),
+             "ratio_to_none": round(tps / statistics.median(base.tps), 3) if base else None,
+             "acceptance_rate": None if r.acc_rate is None else round(r.acc_rate, 4),
+             "mean_acc_len": None if r.mean_acc_len is None else round(r.mean_acc_len, 3),
+             "tokens_per_pass": None if r.tokens_per_pass is None else round(r.tokens_per_pass, 3),
+             "equal_to_none": (r.tokens == base.tokens) if base and base.tokens is not None else None}
+        out.append(d)
+    return out
+
+
+def bench_gemma(args) -> list[dict]:
+    from specrun.gguf_spec.registry import resolve_model
+
+    path = str(resolve_model("gemma-3-270m"))
+    t, n = args.threads, args.n_predict
+    runners = {
+        "none": specrun_runner(path, (), 3, t, n),
+        "ngram-simple": specrun_runner(path, ("ngram-simple",), 16, t, n),
+        "ngram-simple n3 m16": specrun_runner(path, ("ngram-simple",), 16, t, n, ngram_size_n=3, ngram_size_m=16),
+    }
+    if not args.quick:
+        runners["draft (self) n-max 3"] = specrun_runner(path, ("draft-simple",), 3, t, n, draft=path)
+    rows = {(p, k): Row("gemma-3-270m Q4_K_M", p, k) for p in PROMPTS for k in runners}
+    try:
+        interleave(runners, PROMPTS, rows, args.reps, "gemma")
+    finally:
+        for _, close in runners.values():
+            close()
+    return finish(rows, "gemma-3-270m Q4_K_M")
+
+
+def bench_peers(args) -> list[dict]:
+    """Whole-request time (prompt + generation), each run in a fresh process, interleaved:
+    specrun (exact and --no-exact) against llama-cpp-python's high-level Llama."""
+    from specrun.gguf_spec.registry import resolve_model
+
+    path = str(resolve_model("gemma-3-270m"))
+    t, n = args.threads, args.n_predict
+    runners = {
+        "none": subprocess_runner("specrun", path, t, n),
+        "none --no-exact": subprocess_runner("specrun", path, t, n, ("--no-exact",)),
+        "ngram-simple": subprocess_runner("specrun", path, t, n, ("--spec-type", "ngram-simple",
+                                                                  "--spec-draft-n-max", "16")),
+        "llama-cpp-python Llama": subprocess_runner("llama", path, t, n),
+        "llama-cpp-python Llama + PromptLookup": subprocess_runner("llama-lookup", path, t, n),
+    }
+    rows = {(p, k): Row("gemma-3-270m, per process", p, k) for p in PROMPTS for k in runners}
+    interleave(runners, PROMPTS, rows, args.reps, "peers")
+    return finish(rows, "gemma-3-270m Q4_K_M, whole request, fresh process")
+
+
+def bench_mtp(args) -> list[dict]:
+    from specrun.gguf_spec.testmodel import Head, SynthConfig
+    from specrun.kernels.quantize import build_test_model
+
+    results = []
+    variants = [("exact", "f16"), ("noisy:0.1", "f16"), ("exact", "q8_0")]
+    if args.quick:
+        variants = variants[:1]
+    with tempfile.TemporaryDirectory() as d:
+        for head, quant in variants:
+            path = str(Path(d) / f"mtp-{head.replace(':', '')}-{quant}.gguf")
+            build_test_model(path, SynthConfig(head=Head.parse(head), trunk_layers=24, n_embd=512, n_ff=2048), quant)
+            setup = f"qwen35 24L/512/2048 {quant} head={head}"
+            t, n = args.threads, args.n_predict
+            runners = {"none": specrun_runner(path, (), 3, t, n)}
+            for k in (1, 3, 5):
+                runners[f"draft-mtp n-max {k}"] = specrun_runner(path, ("draft-mtp",), k, t, n)
+            rows = {(p, k): Row(setup, p, k) for p in MTP_PROMPTS for k in runners}
+            try:
+                interleave(runners, MTP_PROMPTS, rows, args.reps, setup)
+            finally:
+                for _, close in runners.values():
+                    close()
+            results += finish(rows, setup)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    cols = ["setup", "prompt", "setting", "gen_tps", "ratio_to_none", "acceptance_rate", "mean_acc_len",
+            "tokens_per_pass", "equal_to_none"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        lines.append("| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="fewer settings (a smoke run)")
+    ap.add_argument("--only", choices=["gemma", "mtp", "peers"], default=None)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_spec.json"))
+    args = ap.parse_args()
+    results = []
+    if args.only in (None, "gemma"):
+        results += bench_gemma(args)
+    if args.only in (None, "mtp"):
+        results += bench_mtp(args)
+    if args.only in (None, "peers") and not args.quick:
+        results += bench_peers(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
