@@ -158,6 +158,18 @@ def test_full_queue_503_and_disconnect_frees_the_slot(guarded):
     assert after["specrun_slots_busy"] == 0 and after["specrun_requests_waiting"] == 0
 
 
+def test_disconnect_non_streamed_frees_the_slot(guarded):
+    """A client that gives up on a long non-streamed request (read timeout) stops its generation."""
+    before = guarded.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        guarded.post("/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400,
+                                         "temperature": 0}, timeout=1.0)
+    after = _wait_metric(guarded, lambda m: delta(m, before, "specrun_requests_interrupted_total") == 1)
+    assert delta(after, before, "specrun_requests_interrupted_total") == 1
+    assert after["specrun_slots_busy"] == 0
+    assert delta(after, before, "specrun_tokens_generated_total") < 400
+
+
 def test_sigterm_shuts_down_cleanly(guarded):
     """SIGTERM while a stream is generating: the stream ends, the process exits 0."""
     body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0, "stream": True}
