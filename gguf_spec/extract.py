@@ -32,7 +32,11 @@ from .errors import GGUFError, SpecrunError
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
-class NoMtpHeads(SpecrunError):
+class ExtractError(SpecrunError):
+    """A split that cannot be written (e.g. the output would overwrite the input)."""
+
+
+class NoMtpHeads(ExtractError):
     """The model has no MTP (NextN) blocks to extract or strip."""
 
 
@@ -90,6 +94,8 @@ def _layer_of(name: str) -> int | None:
 
 
 def _copy(reader: gguf.GGUFReader, dst: Path, layout: MtpLayout, keep_layer, kv_edit) -> ExtractResult:
+    if dst.exists() and dst.resolve() == Path(reader.data.filename).resolve():
+        raise ExtractError(f"output {dst} is the input file; choose another name")
     writer = gguf.GGUFWriter(dst, layout.arch)
     align = reader.fields.get(gguf.Keys.General.ALIGNMENT)
     if align is not None:

@@ -168,6 +168,7 @@ def _run_quantize(src: Path, dst: Path, ftype: str, overrides: Sequence[TensorOv
     with _LogCapture(stage, on_progress) as cap:
         rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
+        dst.unlink(missing_ok=True)                      # llama.cpp may have begun writing it
         why = cap.errors[-1] if cap.errors else "no message"
         why = why.split("failed to quantize: ", 1)[-1]
         raise QuantizeError(f"llama_model_quantize returned {rc} for {src} -> {ftype}: {why}")
@@ -234,7 +235,7 @@ def _same_policy(src: Path, dst: Path, ftype: str, user: list[TensorOverride], n
     base = [TensorOverride(r"\.nextn\.eh_proj\.", "f16")]
     tmp = dst.with_name(dst.name + ".pass1.tmp")
     try:
-        _run_quantize(src, tmp, ftype, user + base, "f16", nthread, allow_requantize, "pass 1/2", on_progress)
+        _run_quantize(src, tmp, ftype, user + base, "f16", nthread, allow_requantize, "pass 1", on_progress)
         _, _, got = _mtp_tensor_names(tmp)
         by_type = {v: k for k, v in TENSOR_TYPES.items()}
         pins: list[TensorOverride] = []
@@ -250,7 +251,7 @@ def _same_policy(src: Path, dst: Path, ftype: str, user: list[TensorOverride], n
             os.replace(tmp, dst)
             return base, "f16"
         _run_quantize(src, dst, ftype, user + pins + base, "f16", nthread, allow_requantize,
-                      "pass 2/2", on_progress)
+                      "pass 2", on_progress)
         return pins + base, "f16"
     finally:
         tmp.unlink(missing_ok=True)

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from specrun.cli.main import cli
 from specrun.gguf_spec.errors import GGUFError
-from specrun.gguf_spec.extract import NoMtpHeads, extract_mtp, extract_trunk
+from specrun.gguf_spec.extract import ExtractError, NoMtpHeads, extract_mtp, extract_trunk
 from specrun.gguf_spec.spec import load_spec
 from specrun.gguf_spec.testmodel import TINY, Head, SynthConfig, write_test_model
 from specrun.kernels.quantize import (
@@ -113,6 +113,7 @@ def test_quantize_rejects(f32, tmp_path, call, words):
 def test_requantizing_needs_the_flag(q4, tmp_path):
     with pytest.raises(QuantizeError, match=r"llama_model_quantize returned 1 .*requantizing from type q6_K is disabled"):
         quantize(q4, tmp_path / "r.gguf", "q8_0")
+    assert not list(tmp_path.iterdir())                 # no partial output left behind
     r = quantize(q4, tmp_path / "r.gguf", "q8_0", allow_requantize=True)
     assert tensor_types(r.path)["blk.1.ffn_gate.weight"] == "q8_0"
 
@@ -184,6 +185,15 @@ def test_trunk_plus_heads_equals_the_full_model_in_llama_cpp(tmp_path, head):
     assert a.greedy == b.greedy == c.greedy and a.vocab == b.vocab == c.vocab
     if head == "exact":
         assert a.vocab.rate == 1.0
+
+
+def test_extract_never_overwrites_its_input(q4, tmp_path):
+    copy = tmp_path / "m.gguf"
+    copy.write_bytes(q4.read_bytes())
+    for extract in (extract_mtp, extract_trunk):
+        with pytest.raises(ExtractError, match="is the input file"):
+            extract(copy, tmp_path / "." / "m.gguf")
+    assert copy.read_bytes() == q4.read_bytes()
 
 
 def test_check_refuses_a_file_without_heads(q4, tmp_path):
