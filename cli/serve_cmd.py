@@ -4,12 +4,26 @@ with --parallel slots over one loaded model."""
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import replace
 
 import click
 
 from .common import err_console, handle_errors, resolve, setup_logging
 from .options import engine_params, model_options, sampling_options, sampling_params, spec_options
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a taken port fails at once and with a clear message."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
+                                   "(0 picks a free one)") from None
+    return sock
 
 
 def open_engines(model_path: str, params, n: int) -> list:
@@ -57,46 +71,44 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, **kw):
     from .server_slots import SlotPool
 
     setup_logging(kw["verbose"])
-    params = engine_params(kw)
-    if not kw["threads"]:   # the cores, shared between the slots
-        params = replace(params, n_threads=max(1, (os.cpu_count() or 1) // parallel))
-    model = resolve(kw["model"])
-    if params.draft_model:
-        params = replace(params, draft_model=str(resolve(params.draft_model)))
-    with err_console.status(f"loading {model.name} ({parallel} slot{'s' * (parallel > 1)})", spinner="dots"):
-        engines = open_engines(str(model), params, parallel)
-    pool = SlotPool(engines, max_queue)
-    try:
-        template, reason = None, ""
+    with listen_socket(host, port) as sock:
+        params = engine_params(kw)
+        if not kw["threads"]:   # the cores, shared between the slots
+            params = replace(params, n_threads=max(1, (os.cpu_count() or 1) // parallel))
+        model = resolve(kw["model"])
+        if params.draft_model:
+            params = replace(params, draft_model=str(resolve(params.draft_model)))
+        slots = f"{parallel} slot{'s' * (parallel > 1)}"
+        with err_console.status(f"loading {model.name} ({slots})", spinner="dots"):
+            engines = open_engines(str(model), params, parallel)
+        pool = SlotPool(engines, max_queue)
         try:
-            template = template_for(engines[0].model, chat_template)
-        except TemplateError as e:
-            if chat_template:
-                raise
-            reason = str(e)
-        spec_types = ["none", "ngram-simple"]
-        if "draft-simple" in params.spec.types:
-            spec_types.append("draft-simple")
-        if engines[0].mtp_enabled:
-            spec_types.append("draft-mtp")
-        config = ServerConfig(alias=alias or (kw["model"] if kw["model"] in KNOWN_MODELS else model.stem),
-                              sampling=sampling_params(kw), n_predict=kw["n_predict"], spec=params.spec,
-                              spec_types=tuple(spec_types), max_queue=max_queue, api_key=api_key,
-                              chat_template=template, no_template_reason=reason)
-        state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
-        app = create_app(state)
-        ucfg = uvicorn.Config(app, host=host, port=port, log_level="info" if kw["verbose"] else "warning",
-                              access_log=kw["verbose"], timeout_graceful_shutdown=10)
-        sock = ucfg.bind_socket()
-        bound = sock.getsockname()[1]
-        spec = ",".join(params.spec.types) or "none"
-        err_console.print(f"specrun serve: {config.alias} on http://{host}:{bound} ({parallel} slot{'s' * (parallel > 1)}, "
-                          f"ctx {state.n_ctx}, spec {spec}, requests may use: {', '.join(spec_types)})",
-                          markup=False, soft_wrap=True)
-        _run(ucfg, sock, pool.cancel_all)
-        err_console.print("specrun serve: stopped", markup=False)
-    finally:
-        pool.close()
+            template, reason = None, ""
+            try:
+                template = template_for(engines[0].model, chat_template)
+            except TemplateError as e:
+                if chat_template:
+                    raise
+                reason = str(e)
+            spec_types = ["none", "ngram-simple"]
+            if "draft-simple" in params.spec.types:
+                spec_types.append("draft-simple")
+            if engines[0].mtp_enabled:
+                spec_types.append("draft-mtp")
+            config = ServerConfig(alias=alias or (kw["model"] if kw["model"] in KNOWN_MODELS else model.stem),
+                                  sampling=sampling_params(kw), n_predict=kw["n_predict"], spec=params.spec,
+                                  spec_types=tuple(spec_types), max_queue=max_queue, api_key=api_key,
+                                  chat_template=template, no_template_reason=reason)
+            state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
+            ucfg = uvicorn.Config(create_app(state), host=host, port=port, timeout_graceful_shutdown=10,
+                                  log_level="info" if kw["verbose"] else "warning", access_log=kw["verbose"])
+            err_console.print(f"specrun serve: {config.alias} on http://{host}:{sock.getsockname()[1]} ({slots}, "
+                              f"ctx {state.n_ctx}, spec {','.join(params.spec.types) or 'none'}, requests may "
+                              f"use: {', '.join(spec_types)})", markup=False, soft_wrap=True)
+            _run(ucfg, sock, pool.cancel_all)
+            err_console.print("specrun serve: stopped", markup=False)
+        finally:
+            pool.close()
 
 
 def _run(ucfg, sock, on_exit) -> None:
