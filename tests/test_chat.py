@@ -340,24 +340,35 @@ def test_terminal_session(tmp_path, smollm_path):
 
 
 @pytest.mark.slow
-def test_terminal_ctrl_c_at_the_prompt_and_ctrl_d_leave(tmp_path, smollm_path):
+def test_terminal_paste_continuation_ctrl_c_at_the_prompt_and_ctrl_d(tmp_path, smollm_path):
     env = dict(os.environ, SPECRUN_HISTORY=str(tmp_path / "h"), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
-    child = pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", "-n", "4"],
+    child = pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", "-n", "2", "-q"],
                           env=env, encoding="utf-8", dimensions=(50, 200))
+    saved = tmp_path / "c.json"
     try:
         s = Screen(child)
-        s.wait(r"/exit to leave")
+        s.wait(">")                                              # -q: no welcome line
+        child.send("\x1b[200~Say yes.\nOr no.\x1b[201~")      # a bracketed paste of two lines: one message
+        s.wait("Or no.")
+        child.send("\r")
+        s.wait(">")
+        child.sendline("line one \\")                           # a trailing backslash continues the message
+        s.wait(r"\.\.\.")
+        child.sendline("line two")
         s.wait(">")
         child.send("half a line")
         s.wait("half a line")
-        child.sendintr()                                # clears the line, the session stays
+        child.sendintr()                                         # clears the line, the session stays
+        s.wait(">")
+        child.sendline(f"/save {saved}")
+        s.wait("saved 4 messages")
         s.wait(">")
         child.sendeof()
         child.expect(pexpect.EOF, timeout=60)
         child.close()
         assert child.exitstatus == 0
-        assert "tokens/s" not in s.text                 # nothing was sent to the model
     finally:
         if child.isalive():
             child.kill(9)
-
+    users = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "user"]
+    assert users == ["Say yes.\nOr no.", "line one \nline two"]
