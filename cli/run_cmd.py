@@ -27,9 +27,10 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
         except UnicodeDecodeError:
             raise click.BadParameter(f"{file} is not UTF-8 text", param_hint="-f/--file") from None
     if prompt is None:
-        if not sys.stdin.isatty():
-            return sys.stdin.read()
-        raise click.UsageError("no prompt: give one with -p TEXT or -f FILE (or pipe it on stdin)")
+        text = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+        if not text:
+            raise click.UsageError("no prompt: give one with -p TEXT or -f FILE (or pipe it on stdin)")
+        return text
     return prompt
 
 
@@ -37,10 +38,14 @@ def load_engine(kw: dict):
     """Resolve the model names, build the engine with a transient status line on stderr."""
     from specrun.kernels.engine import Engine
 
+    from specrun.gguf_spec.spec import load_spec
+
     params = engine_params(kw)
     model = resolve(kw["model"])
+    load_spec(model)  # a precise one-line GGUFError for a file llama.cpp would only call unloadable
     if params.draft_model:
         params = replace(params, draft_model=str(resolve(params.draft_model)))
+        load_spec(params.draft_model)
     with err_console.status(f"loading {model.name}", spinner="dots"):
         return Engine(str(model), params)
 
@@ -108,4 +113,4 @@ def run(prompt, file, as_json, conversation, **kw):
             sys.stdout.write(tail + "\n")
             sys.stdout.flush()
             for line in st.lines():
-                err_console.print(line, markup=False)
+                err_console.print(line, markup=False, soft_wrap=True)

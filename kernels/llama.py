@@ -43,7 +43,6 @@ class LlamaError(SpecrunError):
 # ---- logging ---------------------------------------------------------------------------------
 
 _llama_log = logging.getLogger("llama.cpp")
-_LEVELS = {2: logging.ERROR, 3: logging.WARNING, 4: logging.INFO, 5: logging.DEBUG, 1: logging.DEBUG}
 
 
 @L.llama_log_callback
