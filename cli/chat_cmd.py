@@ -196,7 +196,8 @@ class ChatSession:
     # -- turns -------------------------------------------------------------------------------
     def send(self, text: str) -> Iterator[str]:
         """Add a user message and yield the answer's text as the engine accepts it."""
-        messages = [*self.messages, {"role": "user", "content": text}]
+        before = self.messages
+        messages = [*before, {"role": "user", "content": text}]
         tokens, rendered, dropped = self._fit(messages)
         self.messages = messages
         model = self.engine.model
@@ -230,7 +231,7 @@ class ChatSession:
         finally:
             gen.close()
             if failed:          # an engine error: the turn did not happen
-                self.messages = self.messages[:-1]
+                self.messages = before
                 self._checkpoints = []
             else:
                 pieces.append(stream.flush())

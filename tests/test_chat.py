@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pexpect
@@ -17,7 +18,7 @@ from specrun.cli.chat_cmd import ChatSession, ContextFull, history_path
 from specrun.cli.main import cli
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.gguf_spec.testmodel import write_test_model
-from specrun.kernels.chat_template import template_for
+from specrun.kernels.chat_template import TemplateError, template_for
 from specrun.kernels.engine import Engine, EngineParams, SpecParams
 from specrun.kernels.types import SamplingParams
 
@@ -165,6 +166,23 @@ def test_load_refuses_a_bad_file_and_keeps_the_conversation(session, tmp_path, c
     with pytest.raises(SpecrunError, match=words):
         session.load(str(path))
     assert session.messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def test_a_failed_turn_leaves_the_conversation_as_it_was(session, monkeypatch):
+    session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+    def failing(*a, **k):
+        raise SpecrunError("the engine broke")
+        yield []
+
+    monkeypatch.setattr(session.engine, "generate", failing)
+    with pytest.raises(SpecrunError, match="the engine broke"):
+        "".join(session.send("again"))
+    assert session.messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    session.template = replace(session.template, source="{{ raise_exception('one user message only') }}")
+    with pytest.raises(TemplateError, match="one user message only"):
+        "".join(session.send("again"))
+    assert len(session.messages) == 2 and session.last is None
 
 
 def test_stop_tokens_are_the_turn_separator_control_tokens(session):
