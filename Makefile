@@ -4,8 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL  ?= gemma-3-270m
-PROMPT ?= Here is a Python function that checks whether a number is prime, and the same function rewritten with a docstring.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n % d == 0:\n            return False\n    return True\n\nRewritten:\n\n
-RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple -n 128 --temp 0 -p "$(PROMPT)"
+PROMPT_FILE ?= benchmarks/prompts/code_rewrite.txt
+RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-draft-n-max 16 -n 128 --temp 0 -f $(PROMPT_FILE)
 
 .PHONY: install run test test-fast bench lint clean
 

@@ -53,6 +53,9 @@ def spec_options(f):
     @click.option("--spec-ngram-simple-min-hits", "ngram_hits", type=click.IntRange(1), default=1, show_default=True)
     @click.option("--spec-verify", "verify", type=click.Choice(["auto", "match", "rejection"]), default="auto",
                   show_default=True, help="rejection = speculative sampling when the drafter has a distribution")
+    @click.option("--spec-draft-adaptive", "adaptive", is_flag=True,
+                  help="adapt the draft length to acceptance: +2 after a fully accepted draft, -1 after a "
+                       "rejection, within 1..--spec-draft-n-max")
     @functools.wraps(f)
     def wrapper(*a, **k):
         return f(*a, **k)
@@ -79,7 +82,7 @@ def sampling_options(f):
 def engine_params(kw: dict) -> EngineParams:
     spec = SpecParams(types=kw["spec_type"], n_max=kw["n_max"], n_min=kw["n_min"], p_min=kw["p_min"],
                       ngram_size_n=kw["ngram_n"], ngram_size_m=kw["ngram_m"], ngram_min_hits=kw["ngram_hits"],
-                      verify=kw["verify"])
+                      verify=kw["verify"], adaptive=kw["adaptive"])
     if "draft-simple" in spec.types and not kw["model_draft"]:
         raise click.UsageError("--spec-type draft needs -md/--model-draft DRAFT.gguf")
     return EngineParams(n_ctx=kw["ctx_size"], n_batch=kw["batch_size"], n_threads=kw["threads"],

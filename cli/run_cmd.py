@@ -42,7 +42,10 @@ def load_engine(kw: dict):
 
     params = engine_params(kw)
     model = resolve(kw["model"])
-    load_spec(model)  # a precise one-line GGUFError for a file llama.cpp would only call unloadable
+    spec = load_spec(model)  # a precise one-line GGUFError for a file llama.cpp would only call unloadable
+    if spec.has_mtp and not any(t.name == "blk.0.attn_norm.weight" for t in spec.tensors):
+        raise click.ClickException(f"{model} holds only MTP heads (no trunk), so it cannot be the main model; "
+                                   f"use it as -md {model.name} beside the model it was extracted from")
     if params.draft_model:
         params = replace(params, draft_model=str(resolve(params.draft_model)))
         load_spec(params.draft_model)

@@ -66,6 +66,7 @@ class SpecParams:
     ngram_size_m: int = 48
     ngram_min_hits: int = 1
     verify: str = "auto"       # auto | match | rejection
+    adaptive: bool = False     # adapt each drafter's n-max to its acceptance (within 1..n_max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +286,7 @@ class Engine:
                                    drafters=[DrafterStats(d.spec_type) for d in drafters])
         limit = n_predict if n_predict >= 0 else self.n_ctx
         ctx_tokens = list(prompt)
+        n_cur = [n_max] * len(drafters)     # per-drafter draft length (adaptive) or n_max
         n_emitted = 0
         t0 = time.perf_counter()
         t_gen0 = None
@@ -317,7 +319,7 @@ class Engine:
                     for i, d in enumerate(drafters):
                         td = time.perf_counter()
                         st.drafters[i].n_call_draft += 1
-                        dd = d.propose(ctx_arr, k_cap)
+                        dd = d.propose(ctx_arr, min(k_cap, n_cur[i]))
                         st.drafters[i].t_draft_s += time.perf_counter() - td
                         if len(dd) > k_cap:
                             dd = Draft(dd.tokens[:k_cap], None if dd.probs is None else dd.probs[:k_cap])
@@ -342,6 +344,8 @@ class Engine:
                 self._observe(drafters, tp, n_acc + 1)
                 if which >= 0:
                     st.drafters[which].record(k, n_acc)
+                    if spec.adaptive:  # grow after a fully accepted draft, shrink after a rejection
+                        n_cur[which] = min(n_max, n_cur[which] + 2) if n_acc == k else max(1, n_cur[which] - 1)
                 for i, d in enumerate(drafters):
                     d.accept(n_acc if i == which else 0, verdict.tokens)
                 out = [int(t) for t in verdict.tokens]

@@ -43,9 +43,9 @@ def spec(types=(), n_max=3, **kw) -> SpecParams:
     return SpecParams(types=types, n_max=n_max, verify="match", **kw)
 
 
-def run(engine: Engine, prompt: np.ndarray, temp: float, **kw) -> list[int]:
+def run(engine: Engine, prompt: np.ndarray, temp: float, n_gen: int = N_GEN, **kw) -> list[int]:
     out: list[int] = []
-    for toks in engine.generate(prompt, N_GEN, sampling(temp), **kw):
+    for toks in engine.generate(prompt, n_gen, sampling(temp), **kw):
         out.extend(toks)
     return out
 
@@ -121,9 +121,10 @@ def test_draft_self_equals_plain(target, prompt, temp, n_max):
 @pytest.mark.parametrize("n_max", N_MAX)
 def test_draft_always_wrong_equals_plain(target, prompt, temp, n_max):
     wrong = ShiftedDraft(target.self_draft(), target.engine.model.n_vocab)
-    got = run(target.engine, target.prompts[prompt], temp, spec=spec(n_max=n_max), drafters=[wrong])
+    # every token costs n_max draft decodes here: a shorter run keeps the suite within CI's time
+    got = run(target.engine, target.prompts[prompt], temp, n_gen=16, spec=spec(n_max=n_max), drafters=[wrong])
     st = target.engine.stats
-    assert got == target.plain(prompt, temp)
+    assert got == target.plain(prompt, temp)[:16]
     assert st.n_drafted > 0
     if temp == 0.0:
         assert st.n_accepted == 0
