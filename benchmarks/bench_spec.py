@@ -212,6 +212,58 @@ def bench_mtp(args) -> list[dict]:
     return results
 
 
+def bench_sampling(args) -> list[dict]:
+    """Temperature > 0: sample-and-match vs speculative (rejection) sampling, same seeds and drafts;
+    and adaptive vs fixed draft length. Mean accepted length is the number to compare."""
+    from specrun.gguf_spec.registry import resolve_model
+    from specrun.gguf_spec.testmodel import Head, SynthConfig
+    from specrun.kernels.engine import Engine, EngineParams, SpecParams
+    from specrun.kernels.quantize import build_test_model
+    from specrun.kernels.types import SamplingParams
+
+    results = []
+    seeds = list(range(1, args.reps + 1))
+    with tempfile.TemporaryDirectory() as d:
+        setups = []
+        for head in ("noisy:0.1", "noisy:0.3"):
+            path = str(Path(d) / f"mtp-{head.replace(':', '')}.gguf")
+            build_test_model(path, SynthConfig(head=Head.parse(head), trunk_layers=24, n_embd=512, n_ff=2048), "q8_0")
+            setups.append((f"qwen35 24L q8_0 head={head}", path, ("draft-mtp",), None, MTP_PROMPTS["free"]))
+        if not args.quick:
+            g = str(resolve_model("gemma-3-270m"))
+            setups.append(("gemma-3-270m, draft = itself", g, ("draft-simple",), g, PROMPTS["free"]))
+        for setup, path, types, draft, prompt in setups:
+            engine = Engine(path, EngineParams(n_ctx=4096, n_threads=args.threads,
+                                               spec=SpecParams(types=types, n_max=3), draft_model=draft))
+            toks = engine.tokenize(prompt)
+            settings = [(f"{v} n-max 3", SpecParams(types=types, n_max=3, verify=v)) for v in ("match", "rejection")]
+            settings += [(f"{v} n-max 8 adaptive", SpecParams(types=types, n_max=8, verify=v, adaptive=True))
+                         for v in ("match", "rejection")]
+            settings += [("rejection n-max 8 fixed", SpecParams(types=types, n_max=8, verify="rejection"))]
+            settings += [("none", SpecParams())]
+            for temp in (0.8, 1.0):
+                acc: dict[str, list] = {name: [] for name, _ in settings}
+                for seed in seeds:            # interleaved: every setting sees each seed in turn
+                    for name, sp in settings:
+                        for _ in engine.generate(toks, args.n_predict, SamplingParams(temp=temp, seed=seed), spec=sp):
+                            pass
+                        st = engine.stats
+                        acc[name].append((st.gen_tps, st.drafters[0].mean_acc_len if st.drafters else None,
+                                          st.acceptance_rate, st.tokens_per_pass))
+                none_tps = statistics.median(x[0] for x in acc["none"])
+                for name, vals in acc.items():
+                    tps = statistics.median(x[0] for x in vals)
+                    mal = [x[1] for x in vals if x[1] is not None]
+                    results.append({"setup": setup, "prompt": f"temp {temp}", "setting": name,
+                                    "gen_tps": round(tps, 2), "ratio_to_none": round(tps / none_tps, 3),
+                                    "acceptance_rate": round(statistics.mean(x[2] for x in vals), 4),
+                                    "mean_acc_len": round(statistics.mean(mal), 3) if mal else None,
+                                    "tokens_per_pass": round(statistics.mean(x[3] for x in vals), 3),
+                                    "equal_to_none": None})
+            engine.close()
+    return results
+
+
 def table(results: list[dict]) -> str:
     cols = ["setup", "prompt", "setting", "gen_tps", "ratio_to_none", "acceptance_rate", "mean_acc_len",
             "tokens_per_pass", "equal_to_none"]
@@ -227,7 +279,7 @@ def main() -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer settings (a smoke run)")
-    ap.add_argument("--only", choices=["gemma", "mtp", "peers"], default=None)
+    ap.add_argument("--only", choices=["gemma", "mtp", "peers", "sampling"], default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_spec.json"))
     args = ap.parse_args()
     results = []
@@ -235,6 +287,8 @@ def main() -> None:
         results += bench_gemma(args)
     if args.only in (None, "mtp"):
         results += bench_mtp(args)
+    if args.only in (None, "sampling"):
+        results += bench_sampling(args)
     if args.only in (None, "peers") and not args.quick:
         results += bench_peers(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
