@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import click
+
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.chat_template import ChatTemplate, TemplateError, template_for
 from specrun.kernels.engine import parse_spec_types

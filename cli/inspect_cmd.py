@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
 from specrun.gguf_spec.compat import Compat, check_draft_compatible, vocab_type
 from specrun.gguf_spec.spec import ModelSpec, TensorInfo, load_spec
 

@@ -36,9 +36,8 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
 
 def load_engine(kw: dict):
     """Resolve the model names, build the engine with a transient status line on stderr."""
-    from specrun.kernels.engine import Engine
-
     from specrun.gguf_spec.spec import load_spec
+    from specrun.kernels.engine import Engine
 
     params = engine_params(kw)
     model = resolve(kw["model"])

@@ -63,6 +63,7 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, **kw):
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /completion, /v1/models,
     /health, /metrics (OpenAPI schema at /openapi.json). -n caps each request's tokens."""
     import uvicorn
+
     from specrun.gguf_spec.registry import KNOWN_MODELS
     from specrun.kernels.chat_template import TemplateError, template_for
 

@@ -32,11 +32,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.chat_template import ChatTemplate
 from specrun.kernels.engine import SpecParams, parse_spec_types
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .server_metrics import Metrics
 from .server_schemas import (

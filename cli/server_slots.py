@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+
 from specrun.kernels.engine import Engine, SpecParams
 from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams

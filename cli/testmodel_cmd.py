@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
 from specrun.gguf_spec.extract import extract_mtp, extract_trunk
 from specrun.gguf_spec.testmodel import SHAPES, Head, SynthConfig, SynthConfigError
 from specrun.kernels.quantize import (

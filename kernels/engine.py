@@ -89,9 +89,12 @@ class TargetPass:
     hidden: np.ndarray | None
 
 
+_SAMPLING_DEFAULT = SamplingParams()  # llama.cpp's defaults (temp 0.8)
+
+
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
-    a = np.asarray(a[:n]); b = np.asarray(b[:n])
+    a, b = np.asarray(a[:n]), np.asarray(b[:n])
     diff = np.flatnonzero(a != b)
     return int(diff[0]) if diff.size else n
 
@@ -221,6 +224,11 @@ class Engine:
     def _prefill(self, prompt: np.ndarray, drafters) -> np.ndarray:
         """Bring the KV cache to prompt[:-0] and return the logits row of the last prompt token."""
         n = len(prompt)
+        if self.ctx.pos_max() + 1 != len(self.kv_tokens):
+            # an interrupt between a decode and its bookkeeping: trust nothing, start over
+            log.info("KV cache (%d) and its token list (%d) disagree; clearing", self.ctx.pos_max() + 1,
+                     len(self.kv_tokens))
+            self.reset()
         keep = min(_lcp(self.kv_tokens, prompt), n - 1)
         for d in drafters:  # a drafter that follows the target's positions (MTP) must see them all
             if hasattr(d, "n_synced"):
@@ -255,7 +263,7 @@ class Engine:
         return mode
 
     def generate(self, prompt: Sequence[int], n_predict: int = -1,
-                 sampling: SamplingParams = SamplingParams(), *,
+                 sampling: SamplingParams = _SAMPLING_DEFAULT, *,
                  spec: SpecParams | None = None, drafters: Sequence | None = None) -> Iterator[list[int]]:
         """Yield emitted tokens (lists, in order) until end-of-generation, n_predict tokens
         (-1: until the context is full) or the context is full.

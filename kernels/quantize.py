@@ -36,6 +36,7 @@ import gguf
 import llama_cpp as L
 import numpy as np
 from llama_cpp import llama_cpp_ext as X
+
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.gguf_spec.extract import open_gguf, read_layout
 from specrun.gguf_spec.testmodel import SynthConfig, write_test_model

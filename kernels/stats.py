@@ -109,6 +109,6 @@ class GenStats:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, n_drafted=self.n_drafted, n_accepted=self.n_accepted,
                  prompt_tps=self.prompt_tps, gen_tps=self.gen_tps, tokens_per_pass=self.tokens_per_pass)
-        for dd, ds in zip(d["drafters"], self.drafters):
+        for dd, ds in zip(d["drafters"], self.drafters, strict=True):
             dd.update(mean_acc_len=ds.mean_acc_len, acc_rate_per_pos=ds.acc_rate_per_pos)
         return d

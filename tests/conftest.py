@@ -8,6 +8,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+
 from specrun.gguf_spec.registry import resolve_model
 
 TINY_TOKENS = ["<unk>", "<s>", "</s>", "<|eot|>", "<pad>"] + [f"tok{i}" for i in range(27)]   # 32 tokens

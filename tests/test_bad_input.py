@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from conftest import write_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from specrun.cli.main import cli
 from specrun.gguf_spec.errors import GGUFError
 from specrun.gguf_spec.spec import ModelSpec, load_spec

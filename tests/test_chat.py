@@ -14,6 +14,7 @@ from pathlib import Path
 import pexpect
 import pytest
 from click.testing import CliRunner
+
 from specrun.cli.chat_cmd import ChatSession, ContextFull, history_path
 from specrun.cli.main import cli
 from specrun.gguf_spec.errors import SpecrunError

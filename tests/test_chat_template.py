@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+
 from specrun.kernels.chat_template import ChatTemplate, TemplateError, template_for
 from specrun.kernels.llama import Model
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from drafters import OracleDraft, ShiftedDraft
+
 from specrun.kernels.draft_model import DraftModel
 from specrun.kernels.engine import Engine, EngineParams, SpecParams
 from specrun.kernels.types import SamplingParams
-
-from drafters import OracleDraft, ShiftedDraft
 
 pytestmark = pytest.mark.slow
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import gguf
 import pytest
+
 from specrun.gguf_spec.compat import check_draft_compatible, require_draft_compatible
 from specrun.gguf_spec.errors import IncompatibleDraft
 from specrun.gguf_spec.spec import ModelSpec, MTPBlock, TensorInfo, Vocab, load_spec

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
+
 from specrun.cli.inspect_cmd import NO_MTP
 from specrun.cli.main import cli
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from specrun.kernels.ngram import NgramSimple
 from specrun.kernels.types import Draft
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import gguf
 import pytest
 from click.testing import CliRunner
+
 from specrun.cli.main import cli
 from specrun.gguf_spec.errors import GGUFError
 from specrun.gguf_spec.extract import ExtractError, NoMtpHeads, extract_mtp, extract_trunk

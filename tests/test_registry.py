@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from specrun.cli.main import cli
 from specrun.gguf_spec import registry
 from specrun.gguf_spec.errors import ModelNotAvailable

@@ -8,6 +8,7 @@ import re
 
 import pytest
 from click.testing import CliRunner
+
 from specrun.cli.main import cli
 
 pytestmark = pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from specrun.kernels.sampling import inverse_cdf, position_rng, sample, transform
 from specrun.kernels.types import SamplingParams
 

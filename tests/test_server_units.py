@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from specrun.cli.server_metrics import Metrics
 from specrun.cli.server_slots import Busy, Job, Outcome, SlotPool, StopScanner
 from specrun.kernels.stats import DrafterStats, GenStats

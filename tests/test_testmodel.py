@@ -12,6 +12,7 @@ import llama_cpp as L
 import numpy as np
 import pytest
 from click.testing import CliRunner
+
 from specrun.cli.main import cli
 from specrun.gguf_spec.spec import load_spec
 from specrun.gguf_spec.testmodel import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from specrun.kernels.sampling import sample
 from specrun.kernels.types import Draft, SamplingParams
 from specrun.kernels.verify import rejection_step, verify, verify_match, verify_rejection

@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 import pytest
+
 from specrun.kernels.sampling import inverse_cdf, transform
 from specrun.kernels.types import SamplingParams
 from specrun.kernels.verify import rejection_step, verify_match, verify_rejection
