@@ -57,6 +57,10 @@ def _register() -> None:
 
     cli.add_command(serve_cmd.serve)
 
+    from . import bench_cmd
+
+    cli.add_command(bench_cmd.bench)
+
 
 _register()
 

@@ -1,0 +1,385 @@
+"""Pick the speculative setting that is fastest on this machine, from a short calibration.
+
+Everything is measured on the loaded engine, in this process (MTP_NOTES §5 is the why: on a CPU a
+verify row costs almost as much as a plain step, so acceptance alone does not decide).
+
+    D(r)    time of one target decode of r rows with logits (a verify pass of r - 1 draft
+            tokens), rolled back after each call; median of reps, made non-decreasing in r
+    T1      time per token of plain generation (a greedy `none` probe: decode, sampling and the
+            loop's bookkeeping)
+    Tv(r)   = T1 + D(r) - D(1): a verify pass costs a plain step plus its extra rows
+
+Per drafter, greedy probe generations of the user's prompt at n_max = 1 and n_max = K (the
+largest candidate) give:
+
+    f       fraction of target passes that verified a draft (n-grams find no match on most
+            steps of free text; MTP and draft models draft on every step)
+    a_i     fraction of drafts whose first i + 1 tokens were accepted (acc_rate_per_pos)
+    L       mean draft length at n_max = K
+    t_tok   drafting time per drafted token (an MTP or draft-model step; 0 for n-grams)
+    c0, c1  the rest of a pass's cost, fitted to the two probes: c0 per pass (n-gram lookup, MTP
+            bookkeeping), c1 per drafted token (draft step plus bookkeeping; t_tok when the two
+            probes cannot separate it)
+
+The prediction for n_max = k <= K, with k' = min(k, L):
+
+    E(k)       = 1 + f * (a_0 + ... + a_{k'-1})                        tokens per pass
+    T(k)       = f * Tv(k' + 1) + (1 - f) * T1 + c0 + c1 * f * k'      time per pass
+    speedup(k) = E(k) * T1 / T(k)
+
+With f = 1 and c0 = 0 this is E[tokens/pass] * T1 / (T_verify(k+1) + k * T_draft); the model
+reproduces both probes' measured pass times by construction and interpolates between them.
+`none` is chosen unless the best setting is predicted faster by more than a margin.
+
+Acceptance comes from greedy probes: at temperature > 0 real acceptance is usually lower.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from specrun.gguf_spec.errors import SpecrunError
+
+from .engine import SpecParams
+from .llama import MAX_EXACT_BATCH
+from .types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+VERIFY_ROWS = (1, 2, 4, 8, 16)
+PER_TOKEN_DRAFTERS = ("draft-mtp", "draft-simple")   # a decode per drafted token; n-grams: one lookup
+MARGIN = 0.10            # choose a speculative setting only when predicted > 1 + MARGIN
+GREEDY = SamplingParams(temp=0.0)
+
+Progress = Callable[[str], None]     # called once per calibration step, with what it did
+
+
+class CalibrationError(SpecrunError):
+    """The calibration cannot run (no room in the context, an empty prompt)."""
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyCost:
+    """D(r): decode time of r rows with logits at KV depth `depth`. All tuples are [len(rows)]."""
+
+    rows: tuple[int, ...]
+    s: tuple[float, ...]          # median seconds, made non-decreasing in rows
+    s_min: tuple[float, ...]
+    s_max: tuple[float, ...]
+    depth: int = 0
+
+    def at(self, r: float) -> float:
+        """D(r) in seconds, linear between measured rows (and beyond the last, on its slope)."""
+        rows, s = self.rows, self.s
+        if len(rows) == 1 or r <= rows[0]:
+            return s[0]
+        for i in range(1, len(rows)):
+            if r <= rows[i] or i == len(rows) - 1:
+                r0, r1, s0, s1 = rows[i - 1], rows[i], s[i - 1], s[i]
+                return s0 + (s1 - s0) * (r - r0) / (r1 - r0)
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRun:
+    """One greedy probe generation (pooled over reps; times are medians of reps)."""
+
+    n_max: int
+    n_passes: int
+    n_gen: int
+    n_drafts: int                 # drafts verified (n_gen_drafts)
+    n_drafted: int                # draft tokens verified
+    n_accepted: int
+    acc_per_pos: tuple[float, ...]   # a_i: fraction of drafts accepted through position i
+    t_pass_s: float               # generation time per target pass
+    t_tok_s: float                # drafting time per drafted token (0 for per-call drafters)
+
+    @property
+    def f(self) -> float:
+        return self.n_drafts / self.n_passes if self.n_passes else 0.0
+
+    @property
+    def mean_len(self) -> float:
+        return self.n_drafted / self.n_drafts if self.n_drafts else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterCost:
+    """One drafter's calibration: its probes and the fitted per-pass model."""
+
+    spec: SpecParams              # the drafter's settings, n_max = K (the longest probe)
+    probes: tuple[ProbeRun, ...]  # at n_max 1 and K (one when K = 1)
+    c0_s: float                   # cost per pass besides verify and drafted tokens
+    c1_s: float                   # cost per drafted token
+
+    @property
+    def long(self) -> ProbeRun:
+        return self.probes[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    verify: VerifyCost
+    t1_s: float                   # plain generation, seconds per token
+    drafters: tuple[DrafterCost, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    spec: SpecParams
+    acceptance: float             # of the drafted tokens (probe at n_max = K)
+    tokens_per_pass: float        # E(k)
+    t_pass_s: float               # T(k)
+    speedup: float                # E(k) * T1 / T(k)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    spec: SpecParams              # types=() when none is chosen
+    predicted_speedup: float      # 1.0 for none
+    reason: str                   # one or two lines: what and why
+    table: tuple[Prediction, ...]  # every candidate, best first
+    costs: Costs | None = None
+
+
+# ---- the math (pure) -------------------------------------------------------------------------
+
+
+def fit_drafter(spec: SpecParams, probes: Sequence[ProbeRun], verify: VerifyCost, t1: float) -> DrafterCost:
+    """c0 and c1 such that both probes' pass times are reproduced (see the module docstring)."""
+
+    def explained(p: ProbeRun) -> float:
+        return p.f * (t1 + verify.at(p.mean_len + 1) - verify.at(1)) + (1 - p.f) * t1
+
+    resid = [p.t_pass_s - explained(p) for p in probes]
+    x = [p.f * p.mean_len for p in probes]          # drafted tokens per pass
+    t_tok = probes[-1].t_tok_s
+    if len(probes) > 1 and x[-1] - x[0] >= 0.25:
+        c1 = max(0.0, (resid[-1] - resid[0]) / (x[-1] - x[0]))
+    else:
+        c1 = t_tok
+    c0 = max(0.0, resid[-1] - c1 * x[-1])
+    return DrafterCost(spec, tuple(probes), c0, c1)
+
+
+def predict(costs: Costs, spec: SpecParams) -> Prediction:
+    """The predicted speedup of a single-type setting whose drafter was calibrated with n_max >= spec.n_max."""
+    dc = _drafter_cost(costs, spec)
+    p = dc.long
+    k = min(float(spec.n_max), p.mean_len) if p.n_drafts else float(spec.n_max)
+    a = p.acc_per_pos
+    n_full = int(k)
+    acc_sum = sum(a[:n_full]) + (k - n_full) * (a[n_full] if n_full < len(a) else 0.0)
+    e = 1.0 + p.f * acc_sum
+    t1 = costs.t1_s
+    tv = t1 + costs.verify.at(k + 1) - costs.verify.at(1)
+    t = p.f * tv + (1 - p.f) * t1 + dc.c0_s + dc.c1_s * p.f * k
+    return Prediction(spec, p.acceptance, e, t, e * t1 / t if t > 0 else 0.0)
+
+
+def _key(spec: SpecParams) -> SpecParams:
+    return replace(spec, n_max=0)
+
+
+def _drafter_cost(costs: Costs, spec: SpecParams) -> DrafterCost:
+    for dc in costs.drafters:
+        if _key(dc.spec) == _key(spec) and dc.spec.n_max >= spec.n_max:
+            return dc
+    raise CalibrationError(f"no calibration of {'+'.join(spec.types)} up to n-max {spec.n_max}")
+
+
+def setting_name(spec: SpecParams) -> str:
+    return "none" if not spec.types else f"{'+'.join(spec.types)} n-max {spec.n_max}"
+
+
+def choose(costs: Costs, candidates: Sequence[SpecParams], margin: float = MARGIN,
+           base: SpecParams | None = None) -> Choice:
+    """The candidate with the highest predicted speedup, or `none` (base with types=()) when
+    no candidate is predicted faster than 1 + margin."""
+    table = sorted((predict(costs, c) for c in candidates if c.types), key=lambda p: -p.speedup)
+    t1 = costs.t1_s
+    none = replace(base or SpecParams(), types=())
+    if not table:
+        return Choice(none, 1.0, "none: no speculative setting to try", (), costs)
+    best = table[0]
+    why = _why(best, costs)
+    if best.speedup > 1.0 + margin:
+        reason = (f"{setting_name(best.spec)}: predicted ×{best.speedup:.2f} over none ({why}; "
+                  f"plain step {t1 * 1e3:.2f} ms)")
+        return Choice(best.spec, best.speedup, reason, tuple(table), costs)
+    reason = (f"none: no speculative setting is predicted faster than ×{1 + margin:.2f}; the best, "
+              f"{setting_name(best.spec)}, is ×{best.speedup:.2f} ({why}; plain step {t1 * 1e3:.2f} ms)")
+    return Choice(none, 1.0, reason, tuple(table), costs)
+
+
+def _why(p: Prediction, costs: Costs) -> str:
+    dc = _drafter_cost(costs, p.spec)
+    t1 = costs.t1_s
+    k = p.spec.n_max
+    parts = [f"acceptance {p.acceptance:.2f}, {p.tokens_per_pass:.2f} tokens/pass",
+             f"a {k + 1}-row verify costs {(t1 + costs.verify.at(k + 1) - costs.verify.at(1)) / t1:.2f}× a plain step"]
+    if p.spec.types[0] in PER_TOKEN_DRAFTERS:
+        parts.append(f"a drafted token {dc.c1_s / t1:.2f}×")
+    if dc.long.f < 0.999:
+        parts.append(f"drafts on {dc.long.f:.0%} of passes")
+    return ", ".join(parts)
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+
+def _fill(ctx, prompt: np.ndarray) -> None:
+    for s in range(0, len(prompt), ctx.n_batch):
+        ctx.decode(prompt[s:s + ctx.n_batch], s, "none")
+
+
+def measure_verify_cost(engine, prompt_tokens: Sequence[int], rows: Sequence[int] = VERIFY_ROWS, reps: int = 5,
+                        on_step: Progress | None = None) -> VerifyCost:
+    """D(r) for each r in rows at the KV depth of the prompt (its tail when the context is short):
+    one warm-up round, then `reps` rounds over all rows (interleaved, so drift hits every r alike).
+    Leaves the engine's KV empty (engine.reset())."""
+    ctx = engine.ctx
+    cap = min(ctx.n_batch, MAX_EXACT_BATCH if engine.params.exact else ctx.n_batch)
+    rows = tuple(sorted({int(r) for r in rows if 1 <= r <= cap}))
+    if not rows:
+        raise CalibrationError(f"no verify row count fits the batch (n_batch {ctx.n_batch})")
+    prompt = np.asarray(prompt_tokens, dtype=np.int32)
+    room = engine.n_ctx - rows[-1] - 1
+    if room < 1:
+        raise CalibrationError(f"the context ({engine.n_ctx} tokens) has no room for a {rows[-1]}-row verify pass")
+    prompt = prompt[-room:] if len(prompt) > room else prompt
+    if len(prompt) == 0:
+        prompt = np.asarray([engine.model.bos], dtype=np.int32)
+    n0 = len(prompt)
+    fill = np.resize(prompt, rows[-1]).astype(np.int32)
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    engine.reset()
+    try:
+        _fill(ctx, prompt)
+        for rep in range(reps + 1):
+            for r in rows:
+                t0 = time.perf_counter()
+                ctx.decode(fill[:r], n0, "all")
+                dt = time.perf_counter() - t0
+                if not ctx.seq_rm(n0, -1):      # memory that cannot roll r rows back: start over
+                    ctx.clear()
+                    _fill(ctx, prompt)
+                if rep:
+                    times[r].append(dt)
+            if on_step:
+                on_step(f"verify cost, round {rep + 1}/{reps + 1}")
+    finally:
+        engine.reset()
+    med = [statistics.median(times[r]) for r in rows]
+    for i in range(1, len(med)):               # noise must not make more rows look cheaper
+        med[i] = max(med[i], med[i - 1])
+    return VerifyCost(rows, tuple(med), tuple(min(times[r]) for r in rows),
+                      tuple(max(times[r]) for r in rows), n0)
+
+
+def _probe_once(engine, prompt: np.ndarray, n_probe: int, spec: SpecParams) -> tuple:
+    for _ in engine.generate(prompt, n_probe, GREEDY, spec=spec):
+        pass
+    st = engine.stats
+    d = st.drafters[0] if st.drafters else None
+    return st, d
+
+
+def probe(engine, prompt_tokens: Sequence[int], drafter_specs: Sequence[SpecParams], n_probe: int = 32,
+          reps: int = 3, on_step: Progress | None = None) -> tuple[float, list[list[ProbeRun]]]:
+    """Greedy probe generations, interleaved over reps: `none`, then each drafter at n_max = 1 and
+    at its own n_max. Returns T1 (seconds per token of `none`) and, per drafter, its probes."""
+    prompt = np.asarray(prompt_tokens, dtype=np.int32)
+    runs = [(SpecParams(), None)]
+    for i, s in enumerate(drafter_specs):
+        for k in sorted({1, s.n_max}):
+            runs.append((replace(s, n_max=k), i))
+    t_pass: list[list[float]] = [[] for _ in runs]
+    t_tok: list[list[float]] = [[] for _ in runs]
+    last: list = [None] * len(runs)
+    for rep in range(reps):
+        for j, (spec, _) in enumerate(runs):
+            st, d = _probe_once(engine, prompt, n_probe, spec)
+            if st.n_target_passes == 0:
+                raise CalibrationError("the probe generation stopped at its first token (end of generation); "
+                                       "calibrate with a longer prompt")
+            t_pass[j].append(st.t_gen_s / st.n_target_passes)
+            if d is not None and d.n_gen_tokens and spec.types[0] in PER_TOKEN_DRAFTERS:
+                t_tok[j].append(d.t_draft_s / d.n_gen_tokens)
+            last[j] = (st, d)
+            if on_step:
+                on_step(f"probe {setting_name(spec)}, rep {rep + 1}/{reps}")
+    t1 = statistics.median(t_pass[0])
+    out: list[list[ProbeRun]] = [[] for _ in drafter_specs]
+    for j, (spec, i) in enumerate(runs):
+        if i is None:
+            continue
+        st, d = last[j]
+        out[i].append(ProbeRun(
+            n_max=spec.n_max, n_passes=st.n_target_passes, n_gen=st.n_gen, n_drafts=d.n_gen_drafts,
+            n_drafted=d.n_gen_tokens, n_accepted=d.n_acc_tokens, acc_per_pos=tuple(d.acc_rate_per_pos),
+            t_pass_s=statistics.median(t_pass[j]), t_tok_s=statistics.median(t_tok[j]) if t_tok[j] else 0.0))
+    return t1, out
+
+
+def calibrate(engine, prompt_tokens: Sequence[int], candidates: Sequence[SpecParams], *, n_probe: int = 32,
+              reps: int = 3, verify_reps: int = 5, margin: float = MARGIN,
+              on_step: Progress | None = None) -> Choice:
+    """Measure this machine and model, then choose among candidates (single-type SpecParams;
+    `none` is always the fallback). The engine must have been created able to run every
+    candidate (draft-mtp needs the MTP heads loaded). Leaves the engine's KV empty.
+
+    Steps: verify_reps + 1 verify-cost rounds, then reps x (1 + 2 per drafter) probes of n_probe tokens."""
+    prompt = np.asarray(prompt_tokens, dtype=np.int32)
+    if len(prompt) == 0:
+        raise CalibrationError("the calibration prompt is empty")
+    groups = _groups(candidates)
+    base = candidates[0] if candidates else SpecParams()
+    if not groups:
+        return choose(Costs(VerifyCost((1,), (0.0,), (0.0,), (0.0,)), 0.0, ()), [], margin, base)
+    k_max = max(g.n_max for g in groups)
+    n_probe = min(n_probe, engine.n_ctx - len(prompt) - k_max - 2)
+    if n_probe < 4:
+        raise CalibrationError(f"no room in the context ({engine.n_ctx} tokens) to probe after a "
+                               f"{len(prompt)}-token prompt; raise -c")
+    verify = measure_verify_cost(engine, prompt, rows=sorted({*VERIFY_ROWS, k_max + 1}), reps=verify_reps,
+                                 on_step=on_step)
+    specs = groups
+    t1, probes = probe(engine, prompt, specs, n_probe, reps, on_step)
+    engine.reset()
+    costs = Costs(verify, t1, tuple(fit_drafter(s, p, verify, t1) for s, p in zip(specs, probes, strict=True)))
+    choice = choose(costs, candidates, margin, base)
+    log.info("calibration: %s", choice.reason)
+    return choice
+
+
+def _groups(candidates: Sequence[SpecParams]) -> list[SpecParams]:
+    """One probe setting per drafter: its candidates' settings at their largest n_max."""
+    groups: dict[SpecParams, SpecParams] = {}
+    for c in candidates:
+        if len(c.types) > 1:
+            raise CalibrationError(f"calibration predicts single spec types, not {'+'.join(c.types)}")
+        if c.types and (_key(c) not in groups or c.n_max > groups[_key(c)].n_max):
+            groups[_key(c)] = c
+    return list(groups.values())
+
+
+def n_steps(candidates: Sequence[SpecParams], reps: int = 3, verify_reps: int = 5) -> int:
+    """How many times calibrate() calls on_step (for a progress bar)."""
+    groups = _groups(candidates)
+    if not groups:
+        return 0
+    return verify_reps + 1 + reps * (1 + sum(len({1, g.n_max}) for g in groups))

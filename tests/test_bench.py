@@ -1,0 +1,362 @@
+"""`specrun bench` and `--spec-type auto` (kernels.calibrate): the table and its JSON agree, the
+equality column catches a setting whose output differs, and the chooser's math, unit-tested with
+injected costs, then end to end on tiny MTP models. No assertion is about a measured time."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from specrun.cli.auto import available_types, resolve_auto
+from specrun.cli.bench_cmd import BenchPrompt, Setting, parse_settings, run_bench, tables
+from specrun.cli.main import cli
+from specrun.kernels.calibrate import (
+    Costs,
+    DrafterCost,
+    ProbeRun,
+    VerifyCost,
+    choose,
+    fit_drafter,
+    predict,
+)
+from specrun.kernels.engine import SpecParams
+from specrun.kernels.types import Draft
+
+MS = 1e-3
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory):
+    """The tiny shape: 2 trunk layers, n_embd 256, an exact MTP head as costly as the trunk."""
+    from specrun.gguf_spec.testmodel import Head, SynthConfig, write_test_model
+
+    return write_test_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", SynthConfig(head=Head.parse("exact")))
+
+
+@pytest.fixture(scope="module")
+def real_mtp(tmp_path_factory):
+    """The realistic shape: 24 trunk layers, n_embd 512; the exact MTP head costs ~1/25 of the trunk."""
+    from specrun.gguf_spec.testmodel import Head, SynthConfig, write_test_model
+
+    cfg = SynthConfig(head=Head.parse("exact"), trunk_layers=24, n_embd=512, n_ff=2048)
+    return write_test_model(tmp_path_factory.mktemp("bench") / "real.gguf", cfg)
+
+
+def engine_for(path, types=None):
+    from specrun.kernels.engine import Engine, EngineParams
+
+    types = available_types(path, None) if types is None else types
+    return Engine(str(path), EngineParams(n_ctx=1024, n_threads=1, spec=SpecParams(types=types, n_max=16)))
+
+
+# ---- the bench: table == JSON --------------------------------------------------------------
+
+
+def table_rows(text: str, title_start: str) -> list[list[str]]:
+    """The body rows of the rich table printed under the title line starting with title_start."""
+    lines = text.splitlines()
+    i = next(j for j, ln in enumerate(lines) if ln.startswith(title_start))
+    rows, seen_header = [], False
+    for ln in lines[i + 1:]:
+        if ln.startswith("╰"):
+            break
+        if ln.startswith("│"):
+            cells = [c.strip() for c in ln.strip("│").split("│")]
+            if seen_header:
+                rows.append(cells)
+            seen_header = True
+    return rows
+
+
+def fmt_row(d: dict) -> list[str]:
+    dash = "—"
+    if d["equal_to_none"] is None:
+        eq = dash
+    elif not d["equal_to_none"]:
+        eq = f"NO@{d['first_diff']}"
+    else:
+        eq = "ref" if d["n_max"] is None else "yes"
+    return [d["setting"], dash if d["n_max"] is None else str(d["n_max"]), f"{d['gen_tps']:.1f}",
+            f"{d['gen_tps_min']:.1f}–{d['gen_tps_max']:.1f}", f"×{d['ratio_to_none']:.2f}",
+            dash if d["acceptance_rate"] is None else f"{d['acceptance_rate']:.3f}",
+            dash if d["mean_acc_len"] is None else f"{d['mean_acc_len']:.2f}", f"{d['tokens_per_pass']:.2f}", eq]
+
+
+@pytest.mark.slow
+def test_bench_tiny_model_prints_one_row_per_setting_and_json_has_the_same_numbers(tiny_mtp):
+    r = invoke("bench", "-m", str(tiny_mtp), "-t", "1", "-c", "1024", "-n", "16", "--reps", "1",
+               "--spec-draft-n-max", "1,3", "--prompts", "free,code,chat", "--json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert "skipping the chat prompt: the model has no chat template" in r.stderr
+    assert [p["name"] for p in d["prompts"]] == ["free", "code"]
+    # the spec types default to what the file allows: this model has MTP heads
+    expected = [("none", None), ("ngram-simple", 1), ("ngram-simple", 3), ("draft-mtp", 1), ("draft-mtp", 3)]
+    for p in d["prompts"]:
+        assert [(x["setting"], x["n_max"]) for x in p["rows"]] == expected
+        rows = table_rows(r.stderr, f"{p['name']}: {p['n_prompt']} prompt tokens, -n 16, 1 reps")
+        assert len(rows) == len(expected)
+        for cells, x in zip(rows, p["rows"], strict=True):
+            assert len(cells) == 9 and all(cells)
+            assert cells == fmt_row(x)
+            assert x["equal_to_none"] is True          # greedy speculative output == none's
+            assert x["n_gen"] == 16
+        mtp3 = p["rows"][-1]
+        assert mtp3["acceptance_rate"] == 1.0 and mtp3["tokens_per_pass"] > 3   # an exact head
+    vrows = table_rows(r.stderr, "verify pass cost by rows on this machine")
+    assert [int(c[0]) for c in vrows] == [v["rows"] for v in d["verify_cost"]["rows"]] == [1, 2, 4, 8, 16]
+    for cells, v in zip(vrows, d["verify_cost"]["rows"], strict=True):
+        assert cells == [str(v["rows"]), f"{v['ms']:.2f}", f"{v['ms_min']:.2f}–{v['ms_max']:.2f}",
+                         f"{v['x_single']:.2f}"]
+    assert d["threads"] == 1 and d["reps"] == 1 and len(d["load_avg"]) == 3
+
+
+@pytest.mark.slow
+def test_bench_csv_and_plot(tiny_mtp, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    r = invoke("bench", "-m", str(tiny_mtp), "-t", "1", "-n", "8", "--reps", "1", "--spec-type", "none,draft-mtp",
+               "--spec-draft-n-max", "2", "-p", "Hello world, this is a test", "--csv", "--plot", str(out))
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("prompt,setting,n_max,gen_tps,")
+    assert [ln.split(",")[:3] for ln in lines[1:]] == [["prompt", "none", ""], ["prompt", "draft-mtp", "2"]]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_names_the_extra(tiny_mtp, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)       # import matplotlib -> ImportError
+    r = invoke("bench", "-m", str(tiny_mtp), "--plot", "x.png")
+    assert r.exit_code == 1
+    assert r.stderr.strip() == "Error: --plot needs matplotlib: pip install 'specrun[plot]'"
+
+
+def test_bench_flag_errors(tiny_mtp):
+    r = invoke("bench", "-m", str(tiny_mtp), "--json", "--csv")
+    assert r.exit_code == 2 and "--json and --csv do not go together" in r.stderr
+    r = invoke("bench", "-m", str(tiny_mtp), "--spec-draft-n-max", "1,x")
+    assert r.exit_code == 2 and "not a comma-separated list of integers" in r.stderr
+    r = invoke("bench", "-m", str(tiny_mtp), "--spec-type", "none,eagle")
+    assert r.exit_code == 2 and "unknown spec type 'eagle'" in r.stderr
+    r = invoke("bench", "-m", str(tiny_mtp), "--prompts", "poetry")
+    assert r.exit_code == 2 and "unknown prompt 'poetry'" in r.stderr
+    r = invoke("bench", "-m", str(tiny_mtp), "--prompts", "free", "-p", "x")
+    assert r.exit_code == 2 and "give --prompts or -p/-f, not both" in r.stderr
+
+
+def test_parse_settings_none_first_combinations_and_aliases():
+    s = parse_settings("ngram-simple,draft-mtp+ngram-simple,none,draft", "1,3,1", 3, 16)
+    assert [(x.label, x.spec.n_max) for x in s] == [
+        ("none", 3), ("ngram-simple", 1), ("ngram-simple", 3), ("ngram-simple+draft-mtp", 1),
+        ("ngram-simple+draft-mtp", 3), ("draft-simple", 1), ("draft-simple", 3)]
+    assert s[0].is_none and s[1].spec.ngram_size_n == 3 and s[1].spec.ngram_size_m == 16
+
+
+# ---- the equality column catches a broken setting --------------------------------------------
+
+
+class LeakyKV:
+    """A deliberately broken drafter: it "looks ahead" in the target's own context and leaves a
+    wrong token in the KV cache at the last evaluated position (the bug of a drafter that
+    shares the target context and forgets to restore it). It proposes nothing, so every step is
+    a plain one: only the corrupted cache can change the output."""
+
+    spec_type = "leaky-kv"
+
+    def __init__(self, engine) -> None:
+        self.engine, self.n_corrupted = engine, 0
+
+    def begin(self, prompt) -> None:
+        pass
+
+    def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
+        p = len(ctx) - 2                                   # the last position the target evaluated
+        c = self.engine.ctx
+        if c.seq_rm(p, -1):
+            c.decode([(int(ctx[-2]) + 1) % self.engine.model.n_vocab], p, "none")
+            self.n_corrupted += 1
+        return Draft.empty()
+
+    def accept(self, n_accepted: int, emitted: np.ndarray) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_a_setting_whose_output_differs_is_flagged(smollm_path):
+    leaky: list[LeakyKV] = []
+
+    def make(engine):
+        leaky.append(LeakyKV(engine))
+        return leaky[-1:]
+
+    settings = [Setting(SpecParams()), Setting(SpecParams(types=("ngram-simple",), n_max=4)),
+                Setting(SpecParams(n_max=4), name="leaky-kv", drafters=make)]
+    with engine_for(smollm_path) as engine:
+        prompt = BenchPrompt("free", tuple(int(t) for t in engine.tokenize("Once upon a time, there was")))
+        res = run_bench(engine, [prompt], settings, 16, 2, verify_rows=(1, 2), verify_reps=1)
+    assert leaky and all(d.n_corrupted > 0 for d in leaky)
+    rows = {r.setting: r for r in res.rows}
+    assert rows["none"].equal_to_none is True and rows["ngram-simple"].equal_to_none is True
+    bad = rows["leaky-kv"]
+    assert bad.equal_to_none is False and bad.first_diff is not None and 0 < bad.first_diff < 16
+    from rich.console import Console
+
+    con = Console(width=160, record=True, file=io.StringIO())
+    meta = {"threads": 1, "verify_reps": 1, "n_predict": 16, "reps": 2, "temp": 0.0}
+    for title, t in tables(res, meta):
+        con.print(title)
+        con.print(t)
+    text = con.export_text()
+    assert f"NO@{bad.first_diff}" in text
+    assert table_rows(text, "free:")[2][-1] == f"NO@{bad.first_diff}"
+
+
+# ---- the chooser's math, with injected costs -------------------------------------------------
+
+
+def verify_curve(ms_by_rows: dict[int, float]) -> VerifyCost:
+    rows = tuple(sorted(ms_by_rows))
+    s = tuple(ms_by_rows[r] * MS for r in rows)
+    return VerifyCost(rows, s, s, s)
+
+
+def mtp_like(k_max: int, acc: list[float], t_pass_1: float, t_pass_k: float, t_tok: float,
+             spec_type: str = "draft-mtp", f: float = 1.0) -> list[ProbeRun]:
+    """Probes at n_max 1 and k_max; acc[i] = fraction of drafts accepted through position i."""
+    n_passes = 100
+    n_drafts = round(f * n_passes)
+
+    def run(k):
+        a = tuple(acc[:k])
+        return ProbeRun(k, n_passes, 0, n_drafts, n_drafts * k, round(n_drafts * sum(a)), a, t_pass_1 * MS
+                        if k == 1 else t_pass_k * MS, t_tok * MS)
+
+    return [run(1), run(k_max)] if k_max > 1 else [run(1)]
+
+
+def test_reproduces_the_gemma_numbers_of_mtp_notes_5():
+    """MTP_NOTES §5: T1 13.6 ms, verify 26.8 / 33.6 ms for 2 / 4 rows, a draft step of 9 ms and
+    100 % acceptance give about 0.76 at n = 1 and 0.90 at n = 3."""
+    v = verify_curve({1: 13.6, 2: 26.8, 4: 33.6, 8: 49.7, 16: 79.0})
+    dc = DrafterCost(SpecParams(types=("draft-mtp",), n_max=3), tuple(mtp_like(3, [1.0] * 3, 0, 0, 9.0)),
+                     c0_s=0.0, c1_s=9.0 * MS)
+    costs = Costs(v, 13.6 * MS, (dc,))
+    p1, p3 = (predict(costs, SpecParams(types=("draft-mtp",), n_max=k)) for k in (1, 3))
+    assert p1.tokens_per_pass == pytest.approx(2.0) and p1.speedup == pytest.approx(0.76, abs=0.01)
+    assert p3.tokens_per_pass == pytest.approx(4.0) and p3.speedup == pytest.approx(0.90, abs=0.01)
+    c = choose(costs, [SpecParams(types=("draft-mtp",), n_max=k) for k in (1, 2, 3)])
+    assert c.spec.types == () and c.predicted_speedup == 1.0
+    assert c.reason.startswith("none: no speculative setting is predicted faster than ×1.10; the best, "
+                               "draft-mtp n-max 3, is ×0.90")
+
+
+# (T1 ms, verify ms by rows, acceptance per position, draft ms per token, f, margin) -> expected choice
+CASES = [
+    # flat verify cost (trunk-bound), cheap exact head: the longest draft wins
+    pytest.param(10.0, {1: 10, 2: 10.5, 4: 11, 8: 12, 16: 14}, [1.0] * 8, 0.5, 1.0, 0.1, ("draft-mtp", 8), id="flat"),
+    # verify linear in rows (lm_head-bound, MTP_NOTES §5): nothing pays even at 100 %
+    pytest.param(10.0, {1: 10, 2: 20, 4: 40, 8: 80, 16: 160}, [1.0] * 8, 0.5, 1.0, 0.1, None, id="linear"),
+    # acceptance that falls off with position: a short draft is best
+    pytest.param(10.0, {1: 10, 2: 11, 4: 16, 8: 30, 16: 60}, [0.9, 0.8, 0.2, 0.05, 0, 0, 0, 0], 1.0, 1.0, 0.1,
+                 ("draft-mtp", 2), id="falloff"),
+    # a 7 % gain is inside the margin; with no margin it is taken
+    pytest.param(10.0, {1: 10, 2: 14, 4: 24, 8: 38, 16: 70}, [0.6] + [0.0] * 7, 1.0, 1.0, 0.1, None, id="margin"),
+    pytest.param(10.0, {1: 10, 2: 14, 4: 24, 8: 38, 16: 70}, [0.6] + [0.0] * 7, 1.0, 1.0, 0.0, ("draft-mtp", 1),
+                 id="no-margin"),
+]
+
+
+@pytest.mark.parametrize("t1, curve, acc, t_tok, f, margin, expected", CASES)
+def test_choose_from_injected_costs(t1, curve, acc, t_tok, f, margin, expected):
+    v = verify_curve(curve)
+    cands = [SpecParams(types=("draft-mtp",), n_max=k) for k in (1, 2, 3, 4, 6, 8)]
+    tv = {k: t1 + v.at(k + 1) / MS - v.at(1) / MS for k in (1, 8)}
+    probes = mtp_like(8, acc, tv[1] + t_tok, tv[8] + 8 * t_tok, t_tok, f=f)
+    dc = fit_drafter(SpecParams(types=("draft-mtp",), n_max=8), probes, v, t1 * MS)
+    assert dc.c0_s == pytest.approx(0.0, abs=1e-9) and dc.c1_s == pytest.approx(t_tok * MS)
+    c = choose(Costs(v, t1 * MS, (dc,)), cands, margin)
+    got = (c.spec.types[0], c.spec.n_max) if c.spec.types else None
+    assert got == expected, c.reason
+    assert [p.speedup for p in c.table] == sorted((p.speedup for p in c.table), reverse=True)
+    if expected:
+        assert c.reason.startswith(f"draft-mtp n-max {expected[1]}: predicted ×")
+    else:
+        assert c.reason.startswith("none: ")
+
+
+def test_fit_reproduces_both_probes_and_ngram_without_matches_is_never_chosen():
+    v = verify_curve({1: 10, 2: 12, 4: 14, 8: 18, 16: 26, 17: 27})
+    t1 = 10.0
+    # MTP probes with extra per-pass (1 ms) and per-token (0.2 ms) bookkeeping beyond the draft step
+    tv = lambda k: t1 + v.at(k + 1) / MS - v.at(1) / MS  # noqa: E731
+    probes = mtp_like(6, [0.8] * 6, tv(1) + 1 + 1.2, tv(6) + 1 + 6 * 1.2, 1.0)
+    dc = fit_drafter(SpecParams(types=("draft-mtp",), n_max=6), probes, v, t1 * MS)
+    assert dc.c0_s == pytest.approx(1 * MS) and dc.c1_s == pytest.approx(1.2 * MS)
+    costs = Costs(v, t1 * MS, (dc,))
+    for p in probes:
+        pred = predict(costs, SpecParams(types=("draft-mtp",), n_max=p.n_max))
+        assert pred.t_pass_s == pytest.approx(p.t_pass_s)
+    # n-grams that found no match on free text: one pass per token plus the lookup
+    ng = mtp_like(16, [], 10.3, 10.3, 0.0, spec_type="ngram-simple", f=0.0)
+    dn = fit_drafter(SpecParams(types=("ngram-simple",), n_max=16), ng, v, t1 * MS)
+    assert dn.c0_s == pytest.approx(0.3 * MS)
+    pn = predict(Costs(v, t1 * MS, (dn,)), SpecParams(types=("ngram-simple",), n_max=16))
+    assert pn.tokens_per_pass == 1.0 and pn.speedup < 1.0
+    # n-grams that draft on half the passes with high acceptance (a copy): chosen
+    cp = mtp_like(16, [0.95] * 16, 0, 10.3 + 0.5 * (v.at(17) - v.at(1)) / MS, 0.0, f=0.5)
+    dcp = fit_drafter(SpecParams(types=("ngram-simple",), n_max=16), cp[-1:], v, t1 * MS)
+    c = choose(Costs(v, t1 * MS, (dcp,)), [SpecParams(types=("ngram-simple",), n_max=k) for k in (4, 8, 16)])
+    assert c.spec.types == ("ngram-simple",) and c.spec.n_max == 16 and c.predicted_speedup > 3
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    v = verify_curve({1: 10, 2: 20, 4: 24, 8: 40})
+    assert v.at(1) == pytest.approx(10 * MS) and v.at(3) == pytest.approx(22 * MS)
+    assert v.at(6) == pytest.approx(32 * MS) and v.at(10) == pytest.approx(48 * MS)
+
+
+# ---- auto, end to end ------------------------------------------------------------------------
+
+FREE = "Once upon a time, in a small village at the edge of a great forest, there lived"
+
+
+@pytest.mark.slow
+def test_auto_chooses_none_when_every_setting_is_slower(tiny_mtp, capsys):
+    """Tiny shape: the MTP head costs as much as the trunk, and free text has no repeated n-grams."""
+    with engine_for(tiny_mtp) as engine:
+        assert engine.mtp_enabled
+        spec = resolve_auto(engine, {}, engine.tokenize(FREE))
+    assert spec.types == ()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(r"spec auto: none: no speculative setting is predicted faster than ×1\.10; the best, "
+                    r"(draft-mtp|ngram-simple) n-max \d+, is ×\d\.\d\d \(", line), line
+
+
+@pytest.mark.slow
+def test_auto_chooses_draft_mtp_when_it_is_clearly_faster(real_mtp, capsys):
+    """Realistic shape: the exact head is accepted every time and costs ~1/25 of a plain step."""
+    with engine_for(real_mtp) as engine:
+        spec = resolve_auto(engine, {"adaptive": True}, engine.tokenize(FREE))
+    assert spec.types == ("draft-mtp",) and spec.n_max >= 3 and spec.adaptive
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(rf"spec auto: draft-mtp n-max {spec.n_max}: predicted ×\d\.\d\d over none \(acceptance 1\.00, ",
+                    line), line
+
+
+def test_available_types(tiny_mtp, smollm_path):
+    assert available_types(tiny_mtp, None) == ("ngram-simple", "draft-mtp")
+    assert available_types(smollm_path, None) == ("ngram-simple",)
+    assert available_types(smollm_path, smollm_path) == ("ngram-simple", "draft-simple")
