@@ -341,7 +341,8 @@ class Engine:
                 tp = self._decode(batch, n_past, "all")
                 st.n_target_passes += 1
                 mode = self.verify_mode(sampling, draft)
-                st.verify = mode
+                if k > 0:
+                    st.verify = mode     # how drafts were verified (empty drafts are plain steps)
                 verdict = verify(draft, self.ctx.logits_rows(), sampling, n_past + 1, mode)
                 n_acc = verdict.n_accepted
                 keep = n_past + n_acc + 1

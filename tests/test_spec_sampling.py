@@ -53,10 +53,10 @@ def tv(p: dict, q: dict) -> float:
 def test_first_verified_token_follows_the_model(setup):
     e, d = setup
     P = e.tokenize(PROMPT)
-    spec = SpecParams(n_max=3, verify="rejection")
+    spec = SpecParams(n_max=2, verify="rejection")
     pairs, n_drafted, n_accepted = [], 0, 0
     for seed in range(N_SEEDS):
-        out = [t for ch in e.generate(P, 2, replace(SAMPLING, seed=seed), spec=spec, drafters=[d]) for t in ch]
+        out = [t for ch in e.generate(P, 4, replace(SAMPLING, seed=seed), spec=spec, drafters=[d]) for t in ch]
         pairs.append((out[0], out[1]))
         n_drafted += e.stats.n_drafted
         n_accepted += e.stats.n_accepted
