@@ -49,7 +49,23 @@ def load_engine(kw: dict):
         params = replace(params, draft_model=str(resolve(params.draft_model)))
         load_spec(params.draft_model)
     with err_console.status(f"loading {model.name}", spinner="dots"):
-        return Engine(str(model), params)
+        engine = Engine(str(model), params)
+    engine.exact_caveat = float_weight_caveat(spec) if params.exact else None
+    return engine
+
+
+def float_weight_caveat(spec) -> str | None:
+    """Exact mode cannot make F16/F32 matmuls batch-invariant (llama.cpp's tinyBLAS path for >= 2 rows
+    has no run-time switch): say so when the model multiplies by such weights."""
+    names = {t.name for t in spec.tensors}
+    tied = "output.weight" not in names                       # the lm_head is then token_embd
+    mtp = {t.name for b in spec.mtp_blocks for t in b.tensors}  # drafting only, not the verify pass
+    mats = [t for t in spec.tensors if len(t.shape) >= 2 and t.type in ("F16", "F32", "BF16")
+            and (tied or not t.name.startswith("token_embd")) and "conv1d" not in t.name and t.name not in mtp]
+    if not mats:
+        return None
+    return (f"{len(mats)} weight matrices are {mats[0].type}, so verify logits may differ from one-token "
+            "decoding by ~1e-5 (`specrun check-exact` measures it); quantized weights are bit-exact")
 
 
 class TextStream:

@@ -142,6 +142,7 @@ class Engine:
             self.close()
             raise
         self.stats = GenStats()
+        self.exact_caveat: str | None = None   # set by callers that know the weight types (cli)
 
     # -- set-up ------------------------------------------------------------------------------
     def max_draft(self, n_max: int) -> int:
@@ -291,6 +292,7 @@ class Engine:
             if hasattr(d, "sampling"):
                 d.sampling = sampling if sample_drafts else None
         st = self.stats = GenStats(n_prompt_total=len(prompt), exact=self.params.exact, seed=sampling.seed,
+                                   exact_caveat=self.exact_caveat,
                                    drafters=[DrafterStats(d.spec_type) for d in drafters])
         limit = n_predict if n_predict >= 0 else self.n_ctx
         ctx_tokens = list(prompt)

@@ -53,7 +53,8 @@ class GenStats:
     t_prompt_s: float = 0.0
     t_gen_s: float = 0.0
     stop: str = ""               # "eog" | "n_predict" | "ctx" | "interrupted" | "stop"
-    exact: bool | None = None    # bit-exact configuration (and, after check-exact, measured)
+    exact: bool | None = None    # exact mode (verify logits bit-identical to one-token decoding)
+    exact_caveat: str | None = None   # why exact mode may not be bit-exact for this model
     verify: str = "match"
     seed: int = 0                # the seed actually used (a random one when none was given)
     drafters: list[DrafterStats] = field(default_factory=list)
@@ -101,8 +102,9 @@ class GenStats:
                            f"#acc tokens = {d.n_acc_tokens}, #mean acc len = {d.mean_acc_len:.2f}, "
                            f"#acc rate/pos = ({pos})")
         if self.exact is not None:
-            out.append(f"exact mode: {'on (verify logits bit-identical to one-token decoding)' if self.exact else 'off'}"
-                       f", verify: {self.verify}")
+            mode = "off" if not self.exact else (f"on, but {self.exact_caveat}" if self.exact_caveat
+                                                 else "on (verify logits bit-identical to one-token decoding)")
+            out.append(f"exact mode: {mode}; verify: {self.verify}")
         return out
 
     def to_dict(self) -> dict:
