@@ -291,8 +291,18 @@ def measure_verify_cost(engine, prompt_tokens: Sequence[int], rows: Sequence[int
 
 
 def _probe_once(engine, prompt: np.ndarray, n_probe: int, spec: SpecParams) -> tuple:
-    for _ in engine.generate(prompt, n_probe, GREEDY, spec=spec):
-        pass
+    """Generate at least n_probe tokens. The generation may run n_max + 1 tokens further and is
+    stopped early, so no draft is cut short by the end of generation (that would bias the
+    acceptance of the last positions and the mean draft length)."""
+    gen = engine.generate(prompt, n_probe + spec.n_max + 1, GREEDY, spec=spec)
+    n = 0
+    try:
+        for toks in gen:
+            n += len(toks)
+            if n >= n_probe:
+                break
+    finally:
+        gen.close()
     st = engine.stats
     d = st.drafters[0] if st.drafters else None
     return st, d
@@ -351,7 +361,7 @@ def calibrate(engine, prompt_tokens: Sequence[int], candidates: Sequence[SpecPar
     if not groups:
         return choose(Costs(VerifyCost((1,), (0.0,), (0.0,), (0.0,)), 0.0, ()), [], margin, base)
     k_max = max(g.n_max for g in groups)
-    n_probe = min(n_probe, engine.n_ctx - len(prompt) - k_max - 2)
+    n_probe = min(n_probe, engine.n_ctx - len(prompt) - 2 * k_max - 3)
     if n_probe < 4:
         raise CalibrationError(f"no room in the context ({engine.n_ctx} tokens) to probe after a "
                                f"{len(prompt)}-token prompt; raise -c")
