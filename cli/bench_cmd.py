@@ -337,28 +337,32 @@ def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int)
     return out
 
 
-def _prompts(engine, prompt: str | None, file: str | None, names: str | None) -> list[BenchPrompt]:
+def _prompt_choice(prompt: str | None, file: str | None, names: str | None) -> list[tuple[str, str | None]]:
+    """(name, text) pairs before the model is loaded; text None = the chat prompt (rendered later)."""
     from .run_cmd import read_prompt
 
     if names is not None and (prompt is not None or file is not None):
         raise click.UsageError("give --prompts or -p/-f, not both")
     if prompt is not None or file is not None:
         text = read_prompt(prompt, file)
-        name = "prompt" if prompt is not None else ("stdin" if file == "-" else Path(file).name)
-        return [BenchPrompt(name, tuple(int(t) for t in engine.tokenize(text)))]
+        return [("prompt" if prompt is not None else ("stdin" if file == "-" else Path(file).name), text)]
     wanted = list(BUILTIN) if names in (None, "builtin") else [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in BUILTIN]
     if unknown or not wanted:
         raise click.BadParameter(f"unknown prompt '{(unknown or [names])[0]}'; choose builtin or some of "
                                  f"{', '.join(BUILTIN)}", param_hint="--prompts")
+    return [(n, PROMPTS.get(n)) for n in dict.fromkeys(wanted)]
+
+
+def _prompts(engine, chosen: list[tuple[str, str | None]]) -> list[BenchPrompt]:
     out = []
-    for n in wanted:
-        if n == "chat":
-            toks = _chat_tokens(engine)
-            if toks is not None:
-                out.append(BenchPrompt("chat", toks))
-        else:
-            out.append(BenchPrompt(n, tuple(int(t) for t in engine.tokenize(PROMPTS[n]))))
+    for n, text in chosen:
+        if text is not None:
+            out.append(BenchPrompt(n, tuple(int(t) for t in engine.tokenize(text))))
+            continue
+        toks = _chat_tokens(engine)
+        if toks is not None:
+            out.append(BenchPrompt("chat", toks))
     if not out:
         raise click.UsageError("no prompt left to run (the model has no chat template)")
     return out
@@ -425,6 +429,7 @@ def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_pred
         draft = str(resolve(kw["model_draft"])) if kw["model_draft"] else None
         spec_type = ",".join(("none", *available_types(model, draft)))
     settings = parse_settings(spec_type, n_max, ngram_n, ngram_m)
+    chosen = _prompt_choice(prompt, file, prompt_names)
     union = tuple(dict.fromkeys(t for s in settings for t in s.spec.types))
     if "draft-simple" in union and not kw["model_draft"]:
         raise click.UsageError("--spec-type draft-simple needs -md/--model-draft DRAFT.gguf")
@@ -433,7 +438,7 @@ def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_pred
                      ngram_m=ngram_m, ngram_hits=1, verify="auto", adaptive=False)
     sampling = SamplingParams(temp=temp, seed=seed)
     with load_engine(engine_kw) as engine:
-        prompts = _prompts(engine, prompt, file, prompt_names)
+        prompts = _prompts(engine, chosen)
         meta = {"model": engine.model.path, "threads": engine.ctx.params.n_threads or os.cpu_count(),
                 "exact": engine.params.exact, "n_predict": n_predict, "reps": reps, "temp": temp, "seed": seed,
                 "verify_reps": VERIFY_REPS, "load_avg": [round(x, 2) for x in os.getloadavg()]}
