@@ -32,6 +32,7 @@ from specrun.kernels.engine import parse_spec_types
 from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams
 
+from .auto import AUTO, resolve_auto
 from .common import err_console, handle_errors, setup_logging
 from .options import model_options, sampling_options, sampling_params, spec_options
 from .run_cmd import TextStream, load_engine
@@ -467,6 +468,8 @@ def chat_loop(kw: dict, system_prompt: str | None, chat_template: str | None, qu
     sampling = sampling_params(kw)
     interactive = sys.stdin.isatty()
     with load_engine(kw) as engine:
+        if kw["spec_type"] == AUTO:
+            engine.set_spec(resolve_auto(engine, kw))
         template = template_for(engine.model, chat_template)
         session = ChatSession(engine, template, sampling, kw["n_predict"], system_prompt)
         reader = LineReader(interactive)

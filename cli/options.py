@@ -13,6 +13,8 @@ from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 def _spec_type(ctx, param, value):
     if value is None:
         return ()
+    if value.strip() == "auto":   # resolved after loading, by cli/auto.resolve_auto
+        return ("auto",)
     try:
         return parse_spec_types(value)
     except Exception as e:  # SpecrunError: an unknown name
@@ -41,7 +43,8 @@ def model_options(f):
 
 def spec_options(f):
     @click.option("--spec-type", "spec_type", callback=_spec_type, default="none", show_default=True,
-                  help="comma-separated: none, draft-simple (alias draft), draft-mtp, ngram-simple")
+                  help="comma-separated: none, draft-simple (alias draft), draft-mtp, ngram-simple; or auto "
+                       "(measured on this model and machine)")
     @click.option("--spec-draft-n-max", "n_max", type=click.IntRange(1), default=3, show_default=True,
                   help="most tokens drafted per step")
     @click.option("--spec-draft-n-min", "n_min", type=click.IntRange(0), default=0, show_default=True,

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import click
 
+from .auto import AUTO, available_types, resolve_auto
 from .common import err_console, handle_errors, resolve, setup_logging
 from .options import engine_params, model_options, sampling_options, sampling_params, spec_options
 
@@ -48,6 +49,8 @@ def load_engine(kw: dict):
     if params.draft_model:
         params = replace(params, draft_model=str(resolve(params.draft_model)))
         load_spec(params.draft_model)
+    if params.spec.types == AUTO:
+        params = replace(params, spec=replace(params.spec, types=available_types(model, params.draft_model)))
     with err_console.status(f"loading {model.name}", spinner="dots"):
         engine = Engine(str(model), params)
     engine.exact_caveat = float_weight_caveat(spec) if params.exact else None
@@ -106,6 +109,8 @@ def run(prompt, file, as_json, conversation, **kw):
     sampling = sampling_params(kw)
     with load_engine(kw) as engine:
         prompt_tokens = engine.tokenize(text)
+        if kw["spec_type"] == AUTO:
+            engine.set_spec(resolve_auto(engine, kw, prompt_tokens))
         stream = TextStream(engine.model)
         out_tokens: list[int] = []
         pieces: list[str] = []

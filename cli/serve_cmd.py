@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import click
 
+from .auto import AUTO, available_types, resolve_auto
 from .common import err_console, handle_errors, resolve, setup_logging
 from .options import engine_params, model_options, sampling_options, sampling_params, spec_options
 
@@ -79,6 +80,9 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, **kw):
         model = resolve(kw["model"])
         if params.draft_model:
             params = replace(params, draft_model=str(resolve(params.draft_model)))
+        auto = params.spec.types == AUTO
+        if auto:
+            params = replace(params, spec=replace(params.spec, types=available_types(model, params.draft_model)))
         slots = f"{parallel} slot{'s' * (parallel > 1)}"
         with err_console.status(f"loading {model.name} ({slots})", spinner="dots"):
             engines = open_engines(str(model), params, parallel)
@@ -96,6 +100,10 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, **kw):
                 spec_types.append("draft-simple")
             if engines[0].mtp_enabled:
                 spec_types.append("draft-mtp")
+            if auto:
+                params = replace(params, spec=resolve_auto(engines[0], kw))
+                for e in engines:
+                    e.set_spec(params.spec)
             config = ServerConfig(alias=alias or (kw["model"] if kw["model"] in KNOWN_MODELS else model.stem),
                                   sampling=sampling_params(kw), n_predict=kw["n_predict"], spec=params.spec,
                                   spec_types=tuple(spec_types), max_queue=max_queue, api_key=api_key,

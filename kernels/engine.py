@@ -357,9 +357,9 @@ class Engine:
                     st.drafters[which].record(k, n_acc)
                     if spec.adaptive:  # grow after a fully accepted draft, shrink after a rejection
                         n_cur[which] = min(n_max, n_cur[which] + 2) if n_acc == k else max(1, n_cur[which] - 1)
-                for i, d in enumerate(drafters):
-                    d.accept(n_acc if i == which else 0, verdict.tokens)
                 out = [int(t) for t in verdict.tokens]
+                for i, d in enumerate(drafters):
+                    d.accept(n_acc if i == which else 0, verdict.tokens.copy())
                 n_past = keep
                 id_last = out[-1]
                 stop = None
