@@ -47,6 +47,7 @@ class Row:
     tokens_per_pass: float | None = None
     equal_to_none: bool | None = None
     tokens: list[int] | None = None
+    text: str | None = None           # llama-cpp-python peers: compared with the peer's own plain text
 
 
 def specrun_runner(path: str, types: tuple, n_max: int, threads: int, n_predict: int, exact: bool = True,
@@ -80,13 +81,13 @@ import json, sys, time
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 path, threads, n, lookup, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.stdin.read()
-llm = Llama(path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False,
+llm = Llama(path, n_ctx=4096, n_batch=4096, n_threads=threads, n_threads_batch=threads, verbose=False,
             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None)
 t0 = time.perf_counter()
 r = llm.create_completion(prompt, max_tokens=n, temperature=0.0, top_k=1)
 dt = time.perf_counter() - t0
 toks = llm.tokenize(r["choices"][0]["text"].encode(), add_bos=False, special=True)
-print(json.dumps({"total_s": dt, "n": r["usage"]["completion_tokens"], "tokens": toks}))
+print(json.dumps({"total_s": dt, "n": r["usage"]["completion_tokens"], "tokens": toks, "text": r["choices"][0]["text"]}))
 """
 
 
@@ -107,6 +108,7 @@ def subprocess_runner(kind: str, path: str, threads: int, n_predict: int, extra:
             row.total_s.append(d["total_s"])
             row.tps.append(d["n"] / d["total_s"])
             row.tokens = d["tokens"]
+            row.text = d["text"]
         else:
             st = d["stats"]
             total = st["t_prompt_s"] + st["t_gen_s"]
@@ -182,7 +184,12 @@ def bench_peers(args) -> list[dict]:
     }
     rows = {(p, k): Row("gemma-3-270m, per process", p, k) for p in PROMPTS for k in runners}
     interleave(runners, PROMPTS, rows, args.reps, "peers")
-    return finish(rows, "gemma-3-270m Q4_K_M, whole request, fresh process")
+    out = finish(rows, "gemma-3-270m Q4_K_M, whole request, fresh process")
+    for r in out:   # a peer's output is compared with the same peer's plain decoding (text)
+        if r["setting"].startswith("llama-cpp-python"):
+            r["equal_to_none"] = (rows[(r["prompt"], r["setting"])].text
+                                  == rows[(r["prompt"], "llama-cpp-python Llama")].text)
+    return out
 
 
 def bench_mtp(args) -> list[dict]:
@@ -282,18 +289,19 @@ def main() -> None:
     ap.add_argument("--only", choices=["gemma", "mtp", "peers", "sampling"], default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_spec.json"))
     args = ap.parse_args()
-    results = []
-    if args.only in (None, "gemma"):
-        results += bench_gemma(args)
-    if args.only in (None, "mtp"):
-        results += bench_mtp(args)
-    if args.only in (None, "sampling"):
-        results += bench_sampling(args)
-    if args.only in (None, "peers") and not args.quick:
-        results += bench_peers(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    print(table(results))
+    sections = {"gemma": bench_gemma, "mtp": bench_mtp, "sampling": bench_sampling, "peers": bench_peers}
+    if args.quick:
+        sections.pop("peers")
+    results: list[dict] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name, fn in sections.items():
+        if args.only not in (None, name):
+            continue
+        part = fn(args)
+        results += part
+        print(table(part) + "\n", flush=True)                       # each section as it finishes
+        out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
 
 if __name__ == "__main__":
