@@ -31,6 +31,21 @@ def softmax_max(logits: np.ndarray) -> tuple[int, float]:
     return i, 1.0 / float(np.exp(logits.astype(np.float64) - m).sum())
 
 
+def draft_token(logits: np.ndarray, sampling: SamplingParams | None, p_min: float,
+                pos: int) -> tuple[int | None, np.ndarray | None]:
+    """One drafted token from a drafter's logits (float32 [n_vocab]) for absolute position pos.
+
+    sampling set and not greedy: drawn from q = transform(logits) with the draft stream of
+    (seed, pos); returns (token, q as float32 [n_vocab]). Otherwise greedy top-1, or (None, None)
+    when its probability is below p_min (stop drafting)."""
+    if sampling is not None and not sampling.greedy:
+        q = transform(logits, sampling)                                # [n_vocab] float64
+        u = position_rng(sampling.seed, pos, _DRAFT_STREAM).random()
+        return int(inverse_cdf(q, u)), q.astype(np.float32)
+    tok, p = softmax_max(logits) if p_min > 0 else (int(np.argmax(logits)), 1.0)
+    return (None, None) if p < p_min else (tok, None)
+
+
 class DraftModel:
     spec_type: ClassVar[str] = "draft-simple"
 
@@ -78,21 +93,16 @@ class DraftModel:
         if len(ctx) + n_max >= self.ctx.n_ctx:
             return Draft.empty()
         self._sync(ctx)
-        sampled = self.sampling is not None and not self.sampling.greedy
         toks: list[int] = []
         qs: list[np.ndarray] = []
         pos = len(ctx)  # position of the first drafted token
         while True:
             lg = self.ctx.logits_rows()[-1][: self.n_vocab_target]
-            if sampled:
-                q = transform(lg, self.sampling)                       # [n_vocab] float64
-                u = position_rng(self.sampling.seed, pos + len(toks), _DRAFT_STREAM).random()
-                tok = int(inverse_cdf(q, u))
-                qs.append(q.astype(np.float32))
-            else:
-                tok, p = softmax_max(lg) if self.p_min > 0 else (int(np.argmax(lg)), 1.0)
-                if p < self.p_min:
-                    break
+            tok, q = draft_token(lg, self.sampling, self.p_min, pos + len(toks))
+            if tok is None:
+                break
+            if q is not None:
+                qs.append(q)
             toks.append(tok)
             if len(toks) >= n_max:
                 break

@@ -18,9 +18,8 @@ import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
-from .draft_model import _DRAFT_STREAM, softmax_max
+from .draft_model import draft_token
 from .llama import Context, ContextParams, Model
-from .sampling import inverse_cdf, position_rng, transform
 from .types import Draft, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -95,7 +94,6 @@ class DraftMTP:
         n_past = len(ctx) - 1                    # position of id_last
         if len(self.fed) != n_past or n_past + n_max >= self.ctx.n_ctx:
             return Draft.empty()
-        sampled = self.sampling is not None and not self.sampling.greedy
         tok = int(ctx[-1])
         h = self.H[n_past: n_past + 1]           # h_{n_past - 1}, [1, E]
         toks: list[int] = []
@@ -104,16 +102,11 @@ class DraftMTP:
             if self._set_head:
                 self._set_head(i)
             self.ctx.decode_with_hidden([tok], n_past + i, h, output_last=True)
-            lg = self.ctx.logits_rows()[0]
-            if sampled:
-                q = transform(lg, self.sampling)
-                u = position_rng(self.sampling.seed, n_past + 1 + i, _DRAFT_STREAM).random()
-                tok = int(inverse_cdf(q, u))
-                qs.append(q.astype(np.float32))
-            else:
-                tok, p = softmax_max(lg) if self.p_min > 0 else (int(np.argmax(lg)), 1.0)
-                if p < self.p_min:
-                    break
+            tok, q = draft_token(self.ctx.logits_rows()[0], self.sampling, self.p_min, n_past + 1 + i)
+            if tok is None:
+                break
+            if q is not None:
+                qs.append(q)
             toks.append(tok)
             h = self.ctx.nextn_ith(0).reshape(1, -1).copy()
         if not self.ctx.seq_rm(n_past, -1):
