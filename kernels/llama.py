@@ -60,15 +60,14 @@ def _ensure_backend(exact: bool) -> None:
             if exact:
                 os.environ[_TILED_ENV] = "0"
             _exact_process = os.environ.get(_TILED_ENV, "1") == "0"
+        elif exact and not _exact_process:
+            raise LlamaError("exact mode needs the tiled matmul off from llama.cpp's first matmul, and this "
+                             "process already loaded a model without it; use --no-exact for every model here, "
+                             f"or set {_TILED_ENV}=0 in the environment")
         if not _backend_ready:
             L.llama_log_set(_log_callback, ctypes.c_void_p(0))
             L.llama_backend_init()
             _backend_ready = True
-
-
-def exact_available() -> bool:
-    """Whether this process can still run bit-exact (the tiled matmul switch is read once)."""
-    return _exact_process in (None, True)
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -244,9 +243,6 @@ class Context:
         self.n_outputs = 0
         self.n_rows = 0
         self._bext = None  # extended batch (MTP rows carrying hidden states), made on first use
-        # counters (all decodes of this context)
-        self.n_decode_calls = 0
-        self.n_decoded_tokens = 0
 
     @property
     def ptr(self):
@@ -272,9 +268,6 @@ class Context:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
-        L.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
 
     def decode(self, tokens, pos0: int, logits: str = "last") -> None:
         """Evaluate tokens (int [n], n <= n_batch) at positions pos0.. in seq 0.
@@ -306,8 +299,6 @@ class Context:
                              f"(ctx {self.n_ctx})" + ("; the KV cache is full, raise -c" if rc == 1 else ""))
         self.n_rows = n
         self.n_outputs = n if logits == "all" else (1 if logits == "last" else 0)
-        self.n_decode_calls += 1
-        self.n_decoded_tokens += n
 
     def logits_rows(self) -> np.ndarray:
         """float32 [n_outputs, n_vocab]: the last decode's output rows in batch order.
@@ -380,5 +371,3 @@ class Context:
             raise LlamaError(f"llama_process returned {rc} for {n} MTP rows at position {pos0} (ctx {self.n_ctx})")
         self.n_rows = n
         self.n_outputs = 1 if output_last else 0
-        self.n_decode_calls += 1
-        self.n_decoded_tokens += n
