@@ -223,7 +223,8 @@ class Engine:
                 d.observe(tp, n_keep)
 
     def _prefill(self, prompt: np.ndarray, drafters) -> np.ndarray:
-        """Bring the KV cache to prompt[:-0] and return the logits row of the last prompt token."""
+        """Bring the KV cache to hold the prompt (reusing the common prefix) and return the logits row of
+        its last token (a view, valid until the next decode)."""
         n = len(prompt)
         if self.ctx.pos_max() + 1 != len(self.kv_tokens):
             # an interrupt between a decode and its bookkeeping: trust nothing, start over
