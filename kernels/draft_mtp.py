@@ -38,6 +38,7 @@ class DraftMTP:
                 raise SpecrunError(f"{heads_path}: no MTP heads in this file; write one with "
                                    "`specrun extract-mtp MODEL.gguf -o HEADS.gguf`")
             if self.model.n_embd_out != engine.model.n_embd_out or self.model.n_vocab != engine.model.n_vocab:
+                self.model.close()
                 raise SpecrunError(f"{heads_path}: MTP heads of width {self.model.n_embd_out} / vocab "
                                    f"{self.model.n_vocab} do not fit the target ({engine.model.n_embd_out} / "
                                    f"{engine.model.n_vocab}); extract the heads from this model's own GGUF")
@@ -87,7 +88,7 @@ class DraftMTP:
             n = min(self.ctx.n_batch, n_keep - s)
             if self._set_head:
                 self._set_head(0)
-            self.ctx.decode_with_hidden(toks[s:s + n], p0 + s, self.H[p0 + s: p0 + s + n], output_last=False)
+            self.ctx.decode_with_hidden(toks[s:s + n], p0 + s, self.H[p0 + s: p0 + s + n], logits="none")
         self.fed.extend(int(t) for t in toks)
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
@@ -101,7 +102,7 @@ class DraftMTP:
         for i in range(n_max):
             if self._set_head:
                 self._set_head(i)
-            self.ctx.decode_with_hidden([tok], n_past + i, h, output_last=True)
+            self.ctx.decode_with_hidden([tok], n_past + i, h, logits="last")
             tok, q = draft_token(self.ctx.logits_rows()[0], self.sampling, self.p_min, n_past + 1 + i)
             if tok is None:
                 break

@@ -29,17 +29,19 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
 import llama_cpp as L
 import numpy as np
-from llama_cpp import llama_cpp_ext as X
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.gguf_spec.extract import open_gguf, read_layout
 from specrun.gguf_spec.testmodel import SynthConfig, write_test_model
+
+from .llama import Context, ContextParams, Model
 
 log = logging.getLogger(__name__)
 
@@ -325,72 +327,31 @@ class MtpCheck:
         return self.t_target_ms / self.t_mtp_ms
 
 
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise QuantizeError(f"{what} returned {rc}")
-
-
 class _Pair:
-    """A target context and an MTP draft context (MTP_NOTES §1), closed exactly once."""
+    """A target context and an MTP draft context (MTP_NOTES §1) over kernels.llama's handles."""
 
-    def __init__(self, model: Path, heads: Path | None, n_ctx: int, n_batch: int, n_threads: int,
-                 cap: _LogCapture):
-        # kernels.llama's exact mode needs the tiled matmul off before the process's first
-        # matmul; never be the first to switch it on behind its back.
-        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
-        L.llama_backend_init()
-        self._models: list = []
-        self.ct = self.cm = None
-        self.cap = cap
+    def __init__(self, model: Path, heads: Path | None, n_ctx: int, n_batch: int, n_threads: int):
+        self._stack = ExitStack()
+        self.n_batch = n_batch
         try:
-            self.tm = self._load(model, load_mtp=heads is None)
-            self.hm = self._load(heads, load_mtp=True) if heads is not None else self.tm
-            if L.llama_model_n_layer_nextn(self.hm) < 1:
+            self.tm = self._stack.enter_context(Model(model, load_mtp=heads is None))
+            self.hm = self._stack.enter_context(Model(heads, load_mtp=True)) if heads is not None else self.tm
+            if self.hm.n_layer_nextn < 1:
                 raise QuantizeError(f"{heads or model} has no MTP (nextn) layers")
-            self.E = L.llama_model_n_embd_out(self.tm)
-            if L.llama_model_n_embd_out(self.hm) != self.E:
-                raise QuantizeError(f"MTP width {L.llama_model_n_embd_out(self.hm)} != target width {self.E}")
-            self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.tm))
-            self.n_batch = n_batch
-            cp = L.llama_context_default_params()
-            cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_rs_seq = n_ctx, n_batch, n_batch, 0
-            cp.n_threads = cp.n_threads_batch = n_threads
-            self.ct = L.llama_init_from_model(self.tm, cp)
-            if not self.ct:
-                raise QuantizeError(f"llama_init_from_model failed for {model}")
-            X.llama_set_embeddings_nextn(self.ct, True, False)
-            cd = L.llama_context_default_params()
-            cd.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
-            cd.n_ctx, cd.n_batch, cd.n_ubatch, cd.n_rs_seq = n_ctx, n_batch, n_batch, 0
-            cd.n_threads = cd.n_threads_batch = n_threads
-            cd.ctx_other = self.ct
-            self.cm = L.llama_init_from_model(self.hm, cd)
-            if not self.cm:
-                raise QuantizeError(f"could not create an MTP context on {heads or model}")
-            X.llama_set_embeddings_nextn(self.cm, True, True)
+            self.E = self.tm.n_embd_out
+            if self.hm.n_embd_out != self.E:
+                raise QuantizeError(f"MTP width {self.hm.n_embd_out} != target width {self.E}")
+            cp = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads,
+                               n_threads_batch=n_threads)
+            self.ct = self._stack.enter_context(Context(self.tm, replace(cp, nextn="all")))
+            self.cm = self._stack.enter_context(Context(self.hm, replace(cp, mtp=True, nextn="outputs"),
+                                                        ctx_other=self.ct))
         except BaseException:
             self.close()
             raise
 
-    def _load(self, path: Path, load_mtp: bool):
-        mp = L.llama_model_default_params()
-        mp.load_mtp = load_mtp
-        mp.use_extra_bufts = False          # no weight repacking: batch-size independent kernels
-        m = L.llama_model_load_from_file(str(path).encode(), mp)
-        if not m:
-            why = self.cap.errors[-1] if self.cap.errors else "no message"
-            raise QuantizeError(f"llama.cpp could not load {path}: {why}")
-        self._models.append(m)
-        return m
-
     def close(self) -> None:
-        for attr in ("cm", "ct"):
-            ctx = getattr(self, attr, None)
-            if ctx:
-                L.llama_free(ctx)
-                setattr(self, attr, None)
-        while self._models:
-            L.llama_model_free(self._models.pop())
+        self._stack.close()
 
     def __enter__(self) -> _Pair:
         return self
@@ -398,46 +359,20 @@ class _Pair:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # [n, n_vocab] logits of every row
+    # [n, n_vocab] logits of every row (and [n, E] hidden rows)
     def target(self, tokens: Sequence[int], pos0: int, hidden: bool = False):
-        n = len(tokens)
-        b = L.llama_batch_init(n, 0, 1)
-        try:
-            for i, t in enumerate(tokens):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, 1
-                b.seq_id[i][0] = 0
-            b.n_tokens = n
-            _check(L.llama_decode(self.ct, b), "llama_decode (target)")
-        finally:
-            L.llama_batch_free(b)
-        lg = np.ctypeslib.as_array(L.llama_get_logits(self.ct), shape=(n, self.n_vocab)).copy()
-        if not hidden:
-            return lg
-        h = np.ctypeslib.as_array(X.llama_get_embeddings_nextn(self.ct), shape=(n, self.E)).copy()
-        return lg, h
+        self.ct.decode(tokens, pos0, "all")
+        lg = self.ct.logits_rows().copy()
+        return (lg, self.ct.nextn_rows().copy()) if hidden else lg
 
     # MTP rows (tokens[i], pos0 + i, hidden[i]) -> [n, n_vocab] logits
     def mtp(self, tokens: Sequence[int], pos0: int, hidden: np.ndarray) -> np.ndarray:
-        n = len(tokens)
-        b = L.llama_batch_init(n, self.E, 1)
-        tok = (L.llama_token * n)(*tokens)
-        b.token = tok                      # llama_batch_init(embd > 0) leaves token NULL
-        try:
-            embd = np.ctypeslib.as_array(b.embd, shape=(n * self.E,))
-            embd[:] = np.ascontiguousarray(hidden, dtype=np.float32).reshape(-1)
-            for i in range(n):
-                b.pos[i], b.n_seq_id[i], b.logits[i] = pos0 + i, 1, 1
-                b.seq_id[i][0] = 0
-            b.n_tokens = n
-            _check(L.llama_decode(self.cm, b), "llama_decode (MTP)")
-        finally:
-            b.token = None
-            L.llama_batch_free(b)
-        return np.ctypeslib.as_array(L.llama_get_logits(self.cm), shape=(n, self.n_vocab)).copy()
+        self.cm.decode_with_hidden(tokens, pos0, hidden, logits="all")
+        return self.cm.logits_rows().copy()
 
     def clear(self) -> None:
-        for ctx in (self.ct, self.cm):
-            L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        self.ct.clear()
+        self.cm.clear()
 
     def agreement(self, seq: Sequence[int], first: int) -> Agreement:
         """Decode seq from scratch in chunks; compare positions first .. len(seq)-1."""
@@ -474,7 +409,7 @@ def check_mtp(model: str | Path, heads: str | Path | None = None, *, prompt: Seq
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     del reader
     n_ctx = (max(len(prompt) + n_gen + time_reps + 3, n_vocab if vocab else 0) + 256) // 256 * 256
-    with _LogCapture("check", None) as cap, _Pair(model, heads, n_ctx, 64, n_threads, cap) as pair:
+    with _Pair(model, heads, n_ctx, 64, n_threads) as pair:
         seq = list(prompt)
         lg = pair.target(seq, 0)[-1]
         for _ in range(n_gen):
