@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.kernels.engine import Engine, SpecParams
+from specrun.kernels.engine import Engine, SpecParams, common_prefix
 from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams
 
@@ -53,13 +53,6 @@ class Outcome:
     @property
     def finish_reason(self) -> str | None:
         return {"eos": "stop", "word": "stop", "limit": "length"}.get(self.stop_type)
-
-
-def shared_prefix(a, b) -> int:
-    """Length of the common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
 
 
 class StopScanner:
@@ -223,7 +216,7 @@ class SlotPool:
     async def _acquire(self, prompt: np.ndarray) -> Slot:
         idle = [s for s in self.slots if not s.busy]
         if idle and not self.n_waiting:
-            slot = max(idle, key=lambda s: shared_prefix(s.engine.kv_tokens, prompt))
+            slot = max(idle, key=lambda s: common_prefix(s.engine.kv_tokens, prompt))
             slot.busy = True
             return slot
         if self.n_waiting >= self.max_queue:

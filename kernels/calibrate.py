@@ -241,11 +241,6 @@ def _why(p: Prediction, costs: Costs) -> str:
 # ---- measuring -------------------------------------------------------------------------------
 
 
-def _fill(ctx, prompt: np.ndarray) -> None:
-    for s in range(0, len(prompt), ctx.n_batch):
-        ctx.decode(prompt[s:s + ctx.n_batch], s, "none")
-
-
 def measure_verify_cost(engine, prompt_tokens: Sequence[int], rows: Sequence[int] = VERIFY_ROWS, reps: int = 5,
                         on_step: Progress | None = None) -> VerifyCost:
     """D(r) for each r in rows at the KV depth of the prompt (its tail when the context is short):
@@ -268,7 +263,7 @@ def measure_verify_cost(engine, prompt_tokens: Sequence[int], rows: Sequence[int
     times: dict[int, list[float]] = {r: [] for r in rows}
     engine.reset()
     try:
-        _fill(ctx, prompt)
+        ctx.decode_chunks(prompt, 0)
         for rep in range(reps + 1):
             for r in rows:
                 t0 = time.perf_counter()
@@ -276,7 +271,7 @@ def measure_verify_cost(engine, prompt_tokens: Sequence[int], rows: Sequence[int
                 dt = time.perf_counter() - t0
                 if not ctx.seq_rm(n0, -1):      # memory that cannot roll r rows back: start over
                     ctx.clear()
-                    _fill(ctx, prompt)
+                    ctx.decode_chunks(prompt, 0)
                 if rep:
                     times[r].append(dt)
             if on_step:

@@ -76,18 +76,12 @@ class DraftModel:
 
     def _sync(self, ctx: np.ndarray) -> None:
         """Make the draft KV hold ctx[:-1] and decode ctx[-1] (id_last) with logits."""
-        from .engine import _lcp
+        from .engine import common_prefix
 
-        keep = min(_lcp(self.kv, ctx), len(ctx) - 1)
-        if keep < len(self.kv) and not self.ctx.seq_rm(keep, -1):
-            self.ctx.clear()
-            keep = 0
+        keep = self.ctx.keep_prefix(min(common_prefix(self.kv, ctx), len(ctx) - 1), len(self.kv))
         del self.kv[keep:]
-        n = len(ctx)
-        for s in range(keep, n, self.ctx.n_batch):
-            chunk = ctx[s:s + self.ctx.n_batch]
-            self.ctx.decode(chunk, s, "last" if s + len(chunk) == n else "none")
-            self.kv.extend(int(t) for t in chunk)
+        self.ctx.decode_chunks(ctx[keep:], keep)
+        self.kv.extend(int(t) for t in ctx[keep:])
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         if len(ctx) + n_max >= self.ctx.n_ctx:

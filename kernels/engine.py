@@ -92,7 +92,8 @@ class TargetPass:
 _SAMPLING_DEFAULT = SamplingParams()  # llama.cpp's defaults (temp 0.8)
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token sequences."""
     n = min(len(a), len(b))
     a, b = np.asarray(a[:n]), np.asarray(b[:n])
     diff = np.flatnonzero(a != b)
@@ -212,10 +213,14 @@ class Engine:
         self.kv_tokens = []
 
     # -- target passes -----------------------------------------------------------------------
-    def _decode(self, tokens: np.ndarray, pos0: int, logits: str) -> TargetPass:
-        self.ctx.decode(tokens, pos0, logits)
+    def _target_pass(self, tokens, pos0: int) -> TargetPass:
+        """The last target decode (tokens at pos0..) with its hidden rows, when exported."""
         hidden = self.ctx.nextn_rows() if self.ctx.params.nextn else None
         return TargetPass(np.asarray(tokens, dtype=np.int32), pos0, hidden)
+
+    def _decode(self, tokens: np.ndarray, pos0: int, logits: str) -> TargetPass:
+        self.ctx.decode(tokens, pos0, logits)
+        return self._target_pass(tokens, pos0)
 
     def _observe(self, drafters, tp: TargetPass, n_keep: int) -> None:
         for d in drafters:
@@ -231,26 +236,22 @@ class Engine:
             log.info("KV cache (%d) and its token list (%d) disagree; clearing", self.ctx.pos_max() + 1,
                      len(self.kv_tokens))
             self.reset()
-        keep = min(_lcp(self.kv_tokens, prompt), n - 1)
+        keep = min(common_prefix(self.kv_tokens, prompt), n - 1)
         for d in drafters:  # a drafter that follows the target's positions (MTP) must see them all
             if hasattr(d, "n_synced"):
                 keep = min(keep, d.n_synced())
-        if keep < len(self.kv_tokens) and not self.ctx.seq_rm(keep, -1):
-            log.info("cannot roll back the memory to %d tokens; re-evaluating the prompt", keep)
-            self.ctx.clear()
-            keep = 0
+        keep = self.ctx.keep_prefix(keep, len(self.kv_tokens))
         self.kv_tokens = list(prompt[:keep])
         for d in drafters:
             d.begin(prompt)
         self.stats.n_prompt = n - keep
-        last = None
-        for s in range(keep, n, self.ctx.n_batch):
-            chunk = prompt[s:s + self.ctx.n_batch]
-            tp = self._decode(chunk, s, "last" if s + len(chunk) == n else "none")
-            self._observe(drafters, tp, len(chunk))
+
+        def on_chunk(chunk, pos0: int) -> None:
+            self._observe(drafters, self._target_pass(chunk, pos0), len(chunk))
             self.kv_tokens.extend(int(t) for t in chunk)
-            last = self.ctx.logits_rows()[-1] if s + len(chunk) == n else None
-        return last
+
+        self.ctx.decode_chunks(prompt[keep:], keep, on_chunk)
+        return self.ctx.logits_rows()[-1]
 
     # -- the loop ----------------------------------------------------------------------------
     def resolve_sampling(self, sampling: SamplingParams) -> SamplingParams:
@@ -258,8 +259,9 @@ class Engine:
             return replace(sampling, seed=random.SystemRandom().randrange(0, 2**32 - 1))
         return sampling
 
-    def verify_mode(self, sampling: SamplingParams, draft: Draft) -> str:
-        mode = self.params.spec.verify
+    @staticmethod
+    def verify_mode(spec: SpecParams, sampling: SamplingParams, draft: Draft) -> str:
+        mode = spec.verify
         if mode == "auto":
             mode = "rejection" if not sampling.greedy and draft.probs is not None else "match"
         return mode
@@ -330,10 +332,11 @@ class Engine:
                     for i, d in enumerate(drafters):
                         td = time.perf_counter()
                         st.drafters[i].n_call_draft += 1
-                        dd = d.propose(ctx_arr, min(k_cap, n_cur[i]))
+                        cap = min(k_cap, n_cur[i])
+                        dd = d.propose(ctx_arr, cap)
                         st.drafters[i].t_draft_s += time.perf_counter() - td
-                        if len(dd) > k_cap:
-                            dd = Draft(dd.tokens[:k_cap], None if dd.probs is None else dd.probs[:k_cap])
+                        if len(dd) > cap:
+                            dd = Draft(dd.tokens[:cap], None if dd.probs is None else dd.probs[:cap])
                         if len(dd) > 0 and len(dd) >= spec.n_min:
                             draft, which = dd, i
                             break
@@ -343,7 +346,7 @@ class Engine:
                 batch[1:] = draft.tokens
                 tp = self._decode(batch, n_past, "all")
                 st.n_target_passes += 1
-                mode = self.verify_mode(sampling, draft)
+                mode = self.verify_mode(spec, sampling, draft)
                 if k > 0:
                     st.verify = mode     # how drafts were verified (empty drafts are plain steps)
                 verdict = verify(draft, self.ctx.logits_rows(), sampling, n_past + 1, mode)

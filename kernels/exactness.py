@@ -35,9 +35,7 @@ def check_exact(model: Model, prompt: np.ndarray, n_rows: int, *, n_threads: int
     params = ContextParams(n_ctx=n_ctx, n_batch=max(512, n_rows), n_threads=n_threads, n_rs_seq=n_rows)
     with Context(model, params) as plain, Context(model, params) as batched:
         for ctx in (plain, batched):
-            for s in range(0, len(prompt), ctx.n_batch):
-                chunk = prompt[s:s + ctx.n_batch]
-                ctx.decode(chunk, s, "last" if s + len(chunk) == len(prompt) else "none")
+            ctx.decode_chunks(prompt, 0)
         tok = int(np.argmax(plain.logits_rows()[-1]))
         toks, rows = [], []
         for i in range(n_rows):

@@ -45,12 +45,25 @@ class LlamaError(SpecrunError):
 _llama_log = logging.getLogger("llama.cpp")
 
 
+_GGML_LOG_ERROR = 4
+_last_error: list[str] = []   # llama.cpp's latest error line: the reason a load or init failed
+
+
 @L.llama_log_callback
 def _log_callback(level, text, user_data):  # pragma: no cover - called from C
-    if _llama_log.isEnabledFor(logging.DEBUG):
-        msg = text.decode("utf-8", errors="replace").rstrip("\n")
+    if level == _GGML_LOG_ERROR or _llama_log.isEnabledFor(logging.DEBUG):
+        msg = text.decode("utf-8", errors="replace").strip()
+        if msg and level == _GGML_LOG_ERROR:
+            _last_error[:] = [msg]
         if msg:
             _llama_log.debug(msg)
+
+
+def _reason() -> str:
+    """'; llama.cpp says: ...' for the latest error line since the last call, or ''."""
+    why = f"; llama.cpp says: {_last_error[0]}" if _last_error else ""
+    _last_error.clear()
+    return why
 
 
 def _ensure_backend(exact: bool) -> None:
@@ -89,10 +102,11 @@ class Model:
         mp.load_mtp = load_mtp
         if exact:
             mp.use_extra_bufts = False
+        _last_error.clear()
         self._ptr = L.llama_model_load_from_file(self.path.encode(), mp)
         if not self._ptr:
-            raise LlamaError(f"{self.path}: llama.cpp could not load this model (run with -v for "
-                             f"llama.cpp's reason, or `specrun inspect {self.path}`)")
+            raise LlamaError(f"{self.path}: llama.cpp could not load this model{_reason()} "
+                             f"(see `specrun inspect {self.path}`)")
         self.vocab = L.llama_model_get_vocab(self._ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_embd = int(L.llama_model_n_embd(self._ptr))
@@ -220,10 +234,11 @@ class Context:
             cp.n_rs_seq = 0
             if ctx_other is not None:
                 cp.ctx_other = ctx_other.ptr
+        _last_error.clear()
         self._ptr = L.llama_init_from_model(model.ptr, cp)
         if not self._ptr:
             raise LlamaError(f"{model.path}: llama.cpp could not create a context "
-                             f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}); try a smaller -c")
+                             f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}){_reason()}; try a smaller -c")
         self.n_ctx = int(L.llama_n_ctx(self._ptr))
         self.n_batch = params.n_batch
         self.n_vocab = model.n_vocab
@@ -324,6 +339,26 @@ class Context:
             raise LlamaError(f"llama_get_embeddings_nextn_ith({i}) returned NULL")
         return np.ctypeslib.as_array(p, shape=(self.model.n_embd_out,))
 
+    def decode_chunks(self, tokens, pos0: int, on_chunk=None) -> None:
+        """Evaluate tokens of any length in n_batch chunks at positions pos0..; logits for the
+        last token only (logits_rows()[-1] afterwards). on_chunk(chunk, chunk_pos0) runs after
+        each chunk's decode, while its outputs are readable."""
+        n = len(tokens)
+        for s in range(0, n, self.n_batch):
+            chunk = tokens[s:s + self.n_batch]
+            self.decode(chunk, pos0 + s, "last" if s + len(chunk) == n else "none")
+            if on_chunk is not None:
+                on_chunk(chunk, pos0 + s)
+
+    def keep_prefix(self, keep: int, n_held: int) -> int:
+        """Shrink seq 0 from n_held positions to its first `keep`. Returns keep, or 0 after clearing
+        the memory when it cannot roll back (a hybrid model past its n_rs_seq snapshots)."""
+        if keep < n_held and not self.seq_rm(keep, -1):
+            log.info("cannot roll the memory back to %d tokens; clearing it", keep)
+            self.clear()
+            return 0
+        return keep
+
     def seq_rm(self, p0: int, p1: int = -1) -> bool:
         """Drop positions [p0, p1) of seq 0 (p1 = -1: to the end). False when the memory cannot
         (a hybrid model asked to drop more than n_rs_seq tokens, or twice per decode)."""
@@ -335,11 +370,11 @@ class Context:
     def pos_max(self) -> int:
         return int(L.llama_memory_seq_pos_max(self.mem, 0))
 
-    def decode_with_hidden(self, tokens, pos0: int, hidden: np.ndarray, output_last: bool) -> None:
+    def decode_with_hidden(self, tokens, pos0: int, hidden: np.ndarray, logits: str = "last") -> None:
         """An MTP context's input: row j = (token x_j, position pos0+j, hidden row h_j), where
         h_j is the target's hidden row of the position before (float32 [n, n_embd_out]).
         The MTP graph concatenates norm(embed(x_j)) with norm(h_j). Output (logits and the MTP's
-        own hidden row) only for the last row when output_last."""
+        own hidden row) as decode(): logits = "all", "last" or "none"."""
         n = len(tokens)
         if n == 0:
             return
@@ -365,9 +400,9 @@ class Context:
             row = ctypes.cast(base + 4 * E * j, fptr)
             if not L.llama_batch_ext_set_embd_token(be, idx, L.llama_embd(row, 1, E)):
                 raise LlamaError("llama_batch_ext_set_embd_token failed")
-            L.llama_batch_ext_set_output_logits(be, idx, bool(output_last and j == n - 1))
+            L.llama_batch_ext_set_output_logits(be, idx, logits == "all" or (logits == "last" and j == n - 1))
         rc = L.llama_process(self.ptr, L.LLAMA_PROCESS_TYPE_DECODE, be)
         if rc != 0:
             raise LlamaError(f"llama_process returned {rc} for {n} MTP rows at position {pos0} (ctx {self.n_ctx})")
         self.n_rows = n
-        self.n_outputs = 1 if output_last else 0
+        self.n_outputs = n if logits == "all" else (1 if logits == "last" else 0)
