@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/specrun $(RUN_ARGS)
 
-test: install
+test: lint
 	$(BIN)/python -m pytest -q
 
-test-fast: install
+test-fast: lint
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
@@ -31,6 +31,7 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check gguf_spec kernels cli tests benchmarks
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info

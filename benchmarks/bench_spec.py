@@ -52,7 +52,8 @@ class Row:
 
 def specrun_runner(path: str, types: tuple, n_max: int, threads: int, n_predict: int, exact: bool = True,
                    draft: str | None = None, **spec_kw):
-    from specrun.kernels.engine import Engine, EngineParams, SpecParams
+    from specrun.kernels.engine import Engine
+    from specrun.kernels.params import EngineParams, SpecParams
     from specrun.kernels.types import SamplingParams
 
     spec = SpecParams(types=types, n_max=n_max, **spec_kw)
@@ -62,9 +63,10 @@ def specrun_runner(path: str, types: tuple, n_max: int, threads: int, n_predict:
         toks = engine.tokenize(prompt_text)
         engine.reset()
         t0 = time.perf_counter()
-        out = [t for chunk in engine.generate(toks, n_predict, SamplingParams(temp=0.0)) for t in chunk]
+        gen = engine.generate(toks, n_predict, SamplingParams(temp=0.0))
+        out = [t for chunk in gen for t in chunk]
         total = time.perf_counter() - t0
-        st = engine.stats
+        st = gen.stats
         row.tps.append(st.gen_tps)
         row.total_s.append(total)
         row.tokens = out
@@ -194,7 +196,7 @@ def bench_peers(args) -> list[dict]:
 
 def bench_mtp(args) -> list[dict]:
     from specrun.gguf_spec.testmodel import Head, SynthConfig
-    from specrun.kernels.quantize import build_test_model
+    from specrun.kernels.testmodel import build_test_model
 
     results = []
     variants = [("exact", "f16"), ("noisy:0.1", "f16"), ("exact", "q8_0")]
@@ -224,8 +226,9 @@ def bench_sampling(args) -> list[dict]:
     and adaptive vs fixed draft length. Mean accepted length is the number to compare."""
     from specrun.gguf_spec.registry import resolve_model
     from specrun.gguf_spec.testmodel import Head, SynthConfig
-    from specrun.kernels.engine import Engine, EngineParams, SpecParams
-    from specrun.kernels.quantize import build_test_model
+    from specrun.kernels.engine import Engine
+    from specrun.kernels.params import EngineParams, SpecParams
+    from specrun.kernels.testmodel import build_test_model
     from specrun.kernels.types import SamplingParams
 
     results = []
@@ -252,9 +255,10 @@ def bench_sampling(args) -> list[dict]:
                 acc: dict[str, list] = {name: [] for name, _ in settings}
                 for seed in seeds:            # interleaved: every setting sees each seed in turn
                     for name, sp in settings:
-                        for _ in engine.generate(toks, args.n_predict, SamplingParams(temp=temp, seed=seed), spec=sp):
+                        gen = engine.generate(toks, args.n_predict, SamplingParams(temp=temp, seed=seed), spec=sp)
+                        for _ in gen:
                             pass
-                        st = engine.stats
+                        st = gen.stats
                         acc[name].append((st.gen_tps, st.drafters[0].mean_acc_len if st.drafters else None,
                                           st.acceptance_rate, st.tokens_per_pass))
                 none_tps = statistics.median(x[0] for x in acc["none"])

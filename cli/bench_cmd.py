@@ -21,7 +21,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -32,51 +32,18 @@ from rich.table import Table
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.calibrate import GREEDY, VERIFY_ROWS, VerifyCost, measure_verify_cost, setting_name
-from specrun.kernels.engine import SpecParams, parse_spec_types
+from specrun.kernels.chat_template import TemplateError
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import SpecParams, parse_spec_types
+from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams
 
-from .common import err_console, handle_errors, resolve, setup_logging
-from .options import model_options
+from .runtime.chat import ChatFormat
+from .runtime.console import err_console, handle_errors, setup_logging
+from .runtime.loading import available_types, open_engine, prepare
+from .runtime.options import engine_params, model_options
+from .runtime.prompts import BUILTIN, CHAT_MESSAGE, PROMPTS, read_prompt
 
-_CODE = '''\
-def moving_average(values, window):
-    """The mean of each run of `window` consecutive values."""
-    if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
-    out = []
-    total = 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            out.append(total / window)
-    return out
-
-
-def normalise(values):
-    """Scale values to [0, 1]; a constant list becomes all zeros."""
-    lo, hi = min(values), max(values)
-    if hi == lo:
-        return [0.0 for _ in values]
-    return [(v - lo) / (hi - lo) for v in values]
-'''
-
-_DOC = ("The committee met on the third of March to review the budget for the coming year. After a long "
-        "discussion, the members agreed to reduce travel costs by one fifth, to keep the library open on "
-        "Saturdays, and to postpone the renovation of the east wing until the autumn. The treasurer will "
-        "present a revised plan at the next meeting, together with a summary of the donations received "
-        "since January.")
-
-PROMPTS = {
-    "free": "Once upon a time, in a small village at the edge of a great forest, there lived",
-    "code": "Here is a Python module. Repeat it exactly, keeping every line.\n\n```python\n" + _CODE
-            + "```\n\nThe same module:\n\n```python\n",
-    "document": "Read this passage, then quote it back word for word.\n\n\"" + _DOC
-                + "\"\n\nThe passage, quoted word for word:\n\n\"",
-}
-CHAT_MESSAGE = "In a few sentences, explain why the sky is blue."
-BUILTIN = (*PROMPTS, "chat")
 VERIFY_REPS = 5
 
 
@@ -150,10 +117,12 @@ def _first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _generate(engine, prompt: Sequence[int], n: int, sampling: SamplingParams, s: Setting) -> list[int]:
+def _generate(engine: Engine, prompt: Sequence[int], n: int, sampling: SamplingParams,
+              s: Setting) -> tuple[list[int], GenStats]:
     drafters = s.drafters(engine) if s.drafters is not None else None
     engine.reset()
-    return [t for chunk in engine.generate(prompt, n, sampling, spec=s.spec, drafters=drafters) for t in chunk]
+    gen = engine.generate(prompt, n, sampling, spec=s.spec, drafters=drafters)
+    return [t for chunk in gen for t in chunk], gen.stats
 
 
 def run_bench(engine, prompts: Sequence[BenchPrompt], settings: Sequence[Setting], n_predict: int, reps: int,
@@ -172,8 +141,7 @@ def run_bench(engine, prompts: Sequence[BenchPrompt], settings: Sequence[Setting
     for rep in range(reps):
         for p in prompts:
             for i, s in enumerate(settings):
-                toks = _generate(engine, p.tokens, n_predict, sampling, s)
-                st = engine.stats
+                toks, st = _generate(engine, p.tokens, n_predict, sampling, s)
                 r = runs[(p.name, i)]
                 r.tps.append(st.gen_tps)
                 r.tokens.append(toks)
@@ -339,8 +307,6 @@ def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int)
 
 def _prompt_choice(prompt: str | None, file: str | None, names: str | None) -> list[tuple[str, str | None]]:
     """(name, text) pairs before the model is loaded; text None = the chat prompt (rendered later)."""
-    from .run_cmd import read_prompt
-
     if names is not None and (prompt is not None or file is not None):
         raise click.UsageError("give --prompts or -p/-f, not both")
     if prompt is not None or file is not None:
@@ -368,20 +334,16 @@ def _prompts(engine, chosen: list[tuple[str, str | None]]) -> list[BenchPrompt]:
     return out
 
 
-def _chat_tokens(engine) -> tuple[int, ...] | None:
-    from specrun.kernels.chat_template import TemplateError, template_for
-
+def _chat_tokens(engine: Engine) -> tuple[int, ...] | None:
     if not engine.model.chat_template():
         err_console.print("skipping the chat prompt: the model has no chat template", style="dim")
         return None
     try:
-        tmpl = template_for(engine.model)
-        text = tmpl.render([{"role": "user", "content": CHAT_MESSAGE}], add_generation_prompt=True)
+        tokens, _ = ChatFormat.load(engine.model).prompt([{"role": "user", "content": CHAT_MESSAGE}])
     except TemplateError as e:
         err_console.print(f"skipping the chat prompt: {e}", markup=False, soft_wrap=True)
         return None
-    add = not (tmpl.bos_token and text.startswith(tmpl.bos_token))
-    return tuple(int(t) for t in engine.tokenize(text, add_special=add))
+    return tuple(tokens)
 
 
 def _out_console(to_stderr: bool) -> Console:
@@ -416,28 +378,24 @@ def _out_console(to_stderr: bool) -> Console:
 def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_predict, temp, seed, reps, as_json,
           as_csv, plot_path, **kw):
     """Compare spec settings on one model: tokens/s, speed ratio to none, acceptance, output equality."""
-    from .auto import available_types
-    from .run_cmd import load_engine
-
     if as_json and as_csv:
         raise click.UsageError("--json and --csv do not go together; choose one")
     if plot_path:
         _check_matplotlib()
     setup_logging(kw["verbose"])
+    params = engine_params(kw, SpecParams())
     if spec_type is None:
-        model = resolve(kw["model"])
-        draft = str(resolve(kw["model_draft"])) if kw["model_draft"] else None
-        spec_type = ",".join(("none", *available_types(model, draft)))
+        model, params = prepare(kw["model"], params)
+        spec_type = ",".join(("none", *available_types(model, params.draft_model)))
     settings = parse_settings(spec_type, n_max, ngram_n, ngram_m)
     chosen = _prompt_choice(prompt, file, prompt_names)
     union = tuple(dict.fromkeys(t for s in settings for t in s.spec.types))
     if "draft-simple" in union and not kw["model_draft"]:
         raise click.UsageError("--spec-type draft-simple needs -md/--model-draft DRAFT.gguf")
-    engine_kw = dict(kw, spec_type=parse_spec_types(",".join(union)) if union else (),
-                     n_max=max(s.spec.n_max for s in settings), n_min=0, p_min=0.0, ngram_n=ngram_n,
-                     ngram_m=ngram_m, ngram_hits=1, verify="auto", adaptive=False)
+    spec = SpecParams(types=parse_spec_types(",".join(union)) if union else (),
+                      n_max=max(s.spec.n_max for s in settings), ngram_size_n=ngram_n, ngram_size_m=ngram_m)
     sampling = SamplingParams(temp=temp, seed=seed)
-    with load_engine(engine_kw) as engine:
+    with open_engine(kw["model"], replace(params, spec=spec)) as engine:
         prompts = _prompts(engine, chosen)
         meta = {"model": engine.model.path, "threads": engine.ctx.params.n_threads or os.cpu_count(),
                 "exact": engine.params.exact, "n_predict": n_predict, "reps": reps, "temp": temp, "seed": seed,

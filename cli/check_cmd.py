@@ -10,7 +10,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from .common import err_console, handle_errors, resolve, setup_logging
+from .runtime.console import err_console, handle_errors, resolve, setup_logging
 
 _TEXT = ("Speculative decoding drafts several tokens cheaply and verifies them with the main model in "
          "one batched pass. The accepted text must be exactly what the model alone would write, so the "

@@ -14,7 +14,7 @@ from rich.text import Text
 from specrun.gguf_spec.compat import Compat, check_draft_compatible, vocab_type
 from specrun.gguf_spec.spec import ModelSpec, TensorInfo, load_spec
 
-from .common import handle_errors, resolve
+from .runtime.console import handle_errors, resolve
 
 NO_MTP = "no MTP heads: --spec-type draft-mtp is not available for this model"
 

@@ -9,9 +9,17 @@ from dataclasses import replace
 
 import click
 
-from .auto import AUTO, available_types, resolve_auto
-from .common import err_console, handle_errors, resolve, setup_logging
-from .options import engine_params, model_options, sampling_options, sampling_params, spec_options
+from .runtime.auto import resolve_auto
+from .runtime.console import err_console, handle_errors, setup_logging
+from .runtime.loading import open_engines
+from .runtime.options import (
+    AUTO,
+    engine_params,
+    model_options,
+    sampling_options,
+    sampling_params,
+    spec_options,
+)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -25,21 +33,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
                                    "(0 picks a free one)") from None
     return sock
-
-
-def open_engines(model_path: str, params, n: int) -> list:
-    """n engines over one model: the first loads (and owns) it, the others share it."""
-    from specrun.kernels.engine import Engine
-
-    engines = [Engine(model_path, params)]
-    try:
-        for _ in range(n - 1):
-            engines.append(Engine(model_path, params, model=engines[0].model))
-    except BaseException:
-        for e in reversed(engines):
-            e.close()
-        raise
-    return engines
 
 
 @click.command("serve")
@@ -66,31 +59,27 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, **kw):
     import uvicorn
 
     from specrun.gguf_spec.registry import KNOWN_MODELS
-    from specrun.kernels.chat_template import TemplateError, template_for
+    from specrun.kernels.chat_template import TemplateError
 
-    from .server import ServerConfig, ServerState, create_app
-    from .server_metrics import Metrics
-    from .server_slots import SlotPool
+    from .runtime.chat import ChatFormat
+    from .server.app import ServerConfig, ServerState, create_app
+    from .server.metrics import Metrics
+    from .server.slots import SlotPool
 
     setup_logging(kw["verbose"])
     with listen_socket(host, port) as sock:
         params = engine_params(kw)
         if not kw["threads"]:   # the cores, shared between the slots
             params = replace(params, n_threads=max(1, (os.cpu_count() or 1) // parallel))
-        model = resolve(kw["model"])
-        if params.draft_model:
-            params = replace(params, draft_model=str(resolve(params.draft_model)))
         auto = params.spec.types == AUTO
-        if auto:
-            params = replace(params, spec=replace(params.spec, types=available_types(model, params.draft_model)))
-        slots = f"{parallel} slot{'s' * (parallel > 1)}"
-        with err_console.status(f"loading {model.name} ({slots})", spinner="dots"):
-            engines = open_engines(str(model), params, parallel)
+        engines = open_engines(kw["model"], params, parallel)
         pool = SlotPool(engines, max_queue)
         try:
-            template, reason = None, ""
+            model = engines[0].model
+            params = engines[0].params
+            fmt, reason = None, ""
             try:
-                template = template_for(engines[0].model, chat_template)
+                fmt = ChatFormat.load(model, chat_template)
             except TemplateError as e:
                 if chat_template:
                     raise
@@ -101,16 +90,18 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, **kw):
             if engines[0].mtp_enabled:
                 spec_types.append("draft-mtp")
             if auto:
-                params = replace(params, spec=resolve_auto(engines[0], kw))
+                params = replace(params, spec=resolve_auto(engines[0], params.spec))
                 for e in engines:
                     e.set_spec(params.spec)
-            config = ServerConfig(alias=alias or (kw["model"] if kw["model"] in KNOWN_MODELS else model.stem),
+            stem = os.path.splitext(os.path.basename(model.path))[0]
+            config = ServerConfig(alias=alias or (kw["model"] if kw["model"] in KNOWN_MODELS else stem),
                                   sampling=sampling_params(kw), n_predict=kw["n_predict"], spec=params.spec,
                                   spec_types=tuple(spec_types), max_queue=max_queue, api_key=api_key,
-                                  chat_template=template, no_template_reason=reason)
+                                  chat_format=fmt, no_template_reason=reason)
             state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
             ucfg = uvicorn.Config(create_app(state), host=host, port=port, timeout_graceful_shutdown=10,
                                   log_level="info" if kw["verbose"] else "warning", access_log=kw["verbose"])
+            slots = f"{parallel} slot{'s' * (parallel > 1)}"
             err_console.print(f"specrun serve: {config.alias} on http://{host}:{sock.getsockname()[1]} ({slots}, "
                               f"ctx {state.n_ctx}, spec {','.join(params.spec.types) or 'none'}, requests may "
                               f"use: {', '.join(spec_types)})", markup=False, soft_wrap=True)

@@ -15,19 +15,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from specrun.gguf_spec.extract import extract_mtp, extract_trunk
 from specrun.gguf_spec.testmodel import SHAPES, Head, SynthConfig, SynthConfigError
+from specrun.kernels.check_mtp import check_mtp
 from specrun.kernels.quantize import (
     DEFAULT_MTP_TYPE,
     FTYPES,
     MTP_POLICIES,
     TENSOR_TYPES,
-    TEST_MODEL_QUANTS,
-    build_test_model,
-    check_mtp,
     parse_override,
     quantize,
 )
+from specrun.kernels.testmodel import TEST_MODEL_QUANTS, build_test_model
 
-from .common import err_console, handle_errors, setup_logging
+from .runtime.console import err_console, handle_errors, setup_logging
 
 
 def _say(msg: str) -> None:

@@ -1,7 +1,8 @@
 """Split a GGUF with MTP (NextN) blocks into an MTP-only file and a trunk-only file.
 
-llama.cpp's layout: the MTP blocks are the last `{arch}.nextn_predict_layers` blocks, so
-n_layer = block_count - nextn_predict_layers is the trunk depth.
+llama.cpp's layout (gguf_spec.spec.read_layout): the MTP blocks are the last
+`{arch}.nextn_predict_layers` blocks, so n_layer = block_count - nextn_predict_layers is the
+trunk depth.
 
 MTP-only ("heads") file, the same layout as llama.cpp's `convert_hf_to_gguf.py --mtp`:
   * every metadata key unchanged (block_count still counts the trunk, nextn_predict_layers > 0);
@@ -27,7 +28,8 @@ from pathlib import Path
 
 import gguf
 
-from .errors import GGUFError, SpecrunError
+from .errors import SpecrunError
+from .spec import BoundedReader, MtpLayout, open_gguf, read_layout
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
@@ -41,17 +43,6 @@ class NoMtpHeads(ExtractError):
 
 
 @dataclass(frozen=True, slots=True)
-class MtpLayout:
-    arch: str
-    block_count: int         # trunk + MTP blocks (llama.cpp's n_layer_all)
-    nextn_layers: int        # MTP blocks, the last ones
-
-    @property
-    def n_layer(self) -> int:
-        return self.block_count - self.nextn_layers
-
-
-@dataclass(frozen=True, slots=True)
 class ExtractResult:
     path: Path
     layout: MtpLayout        # of the source
@@ -59,42 +50,13 @@ class ExtractResult:
     n_bytes: int             # tensor data written
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """gguf's reader, with a missing or malformed file as GGUFError."""
-    path = Path(path)
-    if not path.is_file():
-        raise GGUFError(f"{path}: no such file")
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise GGUFError(f"{path}: not a readable GGUF ({e})") from None
-
-
-def _scalar(reader: gguf.GGUFReader, key: str) -> int | str | None:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def read_layout(reader: gguf.GGUFReader, path: str | Path = "") -> MtpLayout:
-    arch = _scalar(reader, gguf.Keys.General.ARCHITECTURE)
-    if not isinstance(arch, str):
-        raise GGUFError(f"{path}: no general.architecture")
-    block_count = _scalar(reader, gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch))
-    if not isinstance(block_count, int):
-        raise GGUFError(f"{path}: no {arch}.block_count")
-    nextn = _scalar(reader, gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)) or 0
-    if not 0 <= int(nextn) < block_count:
-        raise GGUFError(f"{path}: {arch}.nextn_predict_layers = {nextn} with block_count {block_count}")
-    return MtpLayout(arch, block_count, int(nextn))
-
-
 def _layer_of(name: str) -> int | None:
     m = _BLOCK.match(name)
     return int(m.group(1)) if m else None
 
 
-def _copy(reader: gguf.GGUFReader, dst: Path, layout: MtpLayout, keep_layer, kv_edit) -> ExtractResult:
-    if dst.exists() and dst.resolve() == Path(reader.data.filename).resolve():
+def _copy(reader: BoundedReader, dst: Path, layout: MtpLayout, keep_layer, kv_edit) -> ExtractResult:
+    if dst.exists() and dst.resolve() == reader.path.resolve():
         raise ExtractError(f"output {dst} is the input file; choose another name")
     writer = gguf.GGUFWriter(dst, layout.arch)
     align = reader.fields.get(gguf.Keys.General.ALIGNMENT)
@@ -123,10 +85,10 @@ def _copy(reader: gguf.GGUFReader, dst: Path, layout: MtpLayout, keep_layer, kv_
 def extract_mtp(src: str | Path, dst: str | Path) -> ExtractResult:
     """Write the MTP-only GGUF of `src` to `dst` (see the module docstring)."""
     reader = open_gguf(src)
-    layout = read_layout(reader, src)
+    layout = read_layout(reader)
     if layout.nextn_layers == 0:
         raise NoMtpHeads(f"{src} has no MTP heads ({layout.arch}.nextn_predict_layers is 0 or absent)")
-    if not any(t.name.startswith("blk.0.") for t in reader.tensors):
+    if not layout.has_trunk:
         raise NoMtpHeads(f"{src} is already an MTP-only file (it has no trunk tensors)")
     return _copy(reader, Path(dst), layout, lambda il: il >= layout.n_layer, lambda key, value: value)
 
@@ -134,10 +96,12 @@ def extract_mtp(src: str | Path, dst: str | Path) -> ExtractResult:
 def extract_trunk(src: str | Path, dst: str | Path) -> ExtractResult:
     """Write `src` without its MTP blocks to `dst` (see the module docstring)."""
     reader = open_gguf(src)
-    layout = read_layout(reader, src)
+    layout = read_layout(reader)
     if layout.nextn_layers == 0:
         raise NoMtpHeads(f"{src} has no MTP heads ({layout.arch}.nextn_predict_layers is 0 or absent); "
                          "it is already trunk-only")
+    if not layout.has_trunk:
+        raise ExtractError(f"{src} is an MTP-only file (it has no trunk tensors); there is no trunk to extract")
     prefix = f"{layout.arch}."
     nextn_key = gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=layout.arch)
     count_key = gguf.Keys.LLM.BLOCK_COUNT.format(arch=layout.arch)

@@ -1,7 +1,9 @@
 """What a GGUF file holds: `load_spec(path) -> ModelSpec` (architecture, hyperparameters,
-tokenizer, quantization mix, embedded MTP heads, every tensor).
+tokenizer, quantization mix, embedded MTP heads, every tensor), and the one way to open a GGUF,
+`open_gguf(path) -> BoundedReader`, for code that needs the metadata values or tensor data
+themselves (extract, quantize).
 
-Reading goes through gguf's own `GGUFReader`, with two additions in `_Reader`:
+Reading goes through gguf's own `GGUFReader`, with two additions in `BoundedReader`:
 - every read is bounds-checked. The stock reader slices its memmap and indexes the result, so a
   count or length that points past the end of the file either raises IndexError somewhere deep
   or, inside an array, yields empty reads that never advance (a hang that grows memory). Here a
@@ -13,6 +15,12 @@ Reading goes through gguf's own `GGUFReader`, with two additions in `_Reader`:
 The header (magic, version, tensor and metadata counts) is checked with struct against the file
 size before the reader starts, and every tensor's shape, type and data range is checked before
 the reader maps it. Anything wrong becomes one `GGUFError` line naming the file.
+
+Block layout (llama.cpp's, src/llama-model.cpp and src/models/qwen35.cpp): `{arch}.block_count`
+blocks (n_layer_all), the last `{arch}.nextn_predict_layers` of which are MTP (NextN) blocks,
+0 <= nextn_predict_layers <= block_count. The trunk is present when there is at least one block
+before the MTP blocks and `blk.0.attn_norm.weight` exists; without it llama.cpp's MTP loaders
+treat the file as MTP-only. `read_layout`, `mtp_block_range` and `has_trunk` say this once.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +62,9 @@ _VALUE_TYPES = frozenset(int(t) for t in GGUFValueType)
 _QUANT_TYPES = frozenset(int(t) for t in GGMLQuantizationType)
 # "blk.{bid}.nextn.eh_proj", ... : the tensors that exist only in an MTP (NextN) block
 _NEXTN_NAMES = tuple(TENSOR_NAMES[t] for t in MODEL_TENSOR if t.name.startswith("NEXTN_"))
+# the tensor whose absence makes llama.cpp's MTP loaders treat a file as MTP-only (qwen35.cpp:
+# mtp_only = n_layer_nextn > 0 && !get_weight("blk.0.attn_norm.weight"))
+TRUNK_PROBE = TENSOR_NAMES[MODEL_TENSOR.ATTN_NORM].format(bid=0) + ".weight"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +102,7 @@ class Vocab:
 
 @dataclass(frozen=True, slots=True)
 class MTPBlock:
-    """One NextN (multi-token prediction) block: block index >= n_layer - nextn_predict_layers.
+    """One NextN (multi-token prediction) block, `index` in mtp_block_range(n_layer, nextn).
     `tensors` are all of `blk.{index}.*`: the nextn.* tensors and the block's own attention/FFN."""
 
     index: int
@@ -130,6 +143,11 @@ class ModelSpec:
         return bool(self.mtp_blocks) and all(b.nextn for b in self.mtp_blocks)
 
     @property
+    def has_trunk(self) -> bool:
+        """True when the file holds the trunk (see has_trunk); False for an MTP-only file."""
+        return has_trunk((t.name for t in self.tensors), self.n_layer, self.nextn_predict_layers)
+
+    @property
     def n_tensors(self) -> int:
         return len(self.tensors)
 
@@ -138,13 +156,52 @@ class ModelSpec:
         return sum(t.n_bytes for t in self.tensors)
 
 
+@dataclass(frozen=True, slots=True)
+class MtpLayout:
+    """The block layout of a model GGUF (module doc): the trunk, then the MTP blocks."""
+
+    arch: str
+    block_count: int         # trunk + MTP blocks (llama.cpp's n_layer_all)
+    nextn_layers: int        # MTP blocks, the last ones; 0 <= nextn_layers <= block_count
+    has_trunk: bool          # see has_trunk(); False for an MTP-only file
+
+    @property
+    def mtp_blocks(self) -> range:
+        return mtp_block_range(self.block_count, self.nextn_layers)
+
+    @property
+    def n_layer(self) -> int:
+        """The trunk depth, llama.cpp's hparams.n_layer(): blocks 0 .. n_layer-1."""
+        return self.mtp_blocks.start
+
+
+def mtp_block_range(block_count: int, nextn: int) -> range:
+    """The indices of the MTP (NextN) blocks: the last `nextn` of `block_count` blocks.
+    requires: 0 <= nextn <= block_count (read_layout and load_spec check it)."""
+    return range(block_count - nextn, block_count)
+
+
+def has_trunk(tensor_names: Iterable[str], block_count: int | None, nextn: int) -> bool:
+    """True when a file with these tensors and this layout holds the trunk: at least one block
+    comes before the MTP blocks and its TRUNK_PROBE tensor (blk.0.attn_norm.weight) is present.
+    llama.cpp's MTP loaders call a file without that tensor MTP-only; a file whose blocks are all
+    MTP blocks (nextn == block_count) has none either."""
+    return (block_count or 0) > nextn and TRUNK_PROBE in tensor_names
+
+
 class _Corrupt(Exception):
-    """Raised inside _Reader; load_spec turns it into GGUFError with the file name."""
+    """Raised inside BoundedReader and the metadata readers; open_gguf, read_layout and
+    load_spec turn it into GGUFError with the file name."""
 
 
-class _Reader(GGUFReader):
+class BoundedReader(GGUFReader):
     """GGUFReader with bounds-checked reads and one-view numeric arrays (see the module doc).
+    Open one with open_gguf, never directly. `path` is the path it was opened with.
     Numeric array fields hold a single data part: read them with contents(), not contents(i)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        super().__init__(path)
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         raw = self.__dict__.get("_raw")
@@ -232,7 +289,10 @@ def _check_header(path: Path, size: int) -> None:
                           f"metadata entries, which cannot fit in {size} bytes")
 
 
-def _open(path: Path) -> _Reader:
+def open_gguf(path: str | os.PathLike) -> BoundedReader:
+    """Open a GGUF for reading (metadata fields and memory-mapped tensor data).
+    raises: GGUFError, one line naming the file, for a missing, unreadable or corrupt file."""
+    path = Path(path)
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -246,7 +306,7 @@ def _open(path: Path) -> _Reader:
         raise _fail(path, "is empty, not a GGUF file")
     try:
         _check_header(path, st.st_size)
-        return _Reader(path)
+        return BoundedReader(path)
     except _Corrupt as e:
         raise _fail(path, str(e)) from None
     except OSError as e:
@@ -257,7 +317,7 @@ def _open(path: Path) -> _Reader:
         raise _fail(path, f"corrupt GGUF ({type(e).__name__}: {e})") from None
 
 
-def _field(r: _Reader, key: str, kind: str) -> Any:
+def _field(r: BoundedReader, key: str, kind: str) -> Any:
     """The field of `key` if its type is `kind` ('int', 'bool', 'str', 'ints', 'strs'); None when absent."""
     f = r.fields.get(key)
     if f is None:
@@ -276,7 +336,7 @@ def _field(r: _Reader, key: str, kind: str) -> Any:
     return f
 
 
-def _value(r: _Reader, key: str, kind: str) -> Any:
+def _value(r: BoundedReader, key: str, kind: str) -> Any:
     """A metadata value of `kind` (see _field), None when absent."""
     f = _field(r, key, kind)
     if f is None:
@@ -285,7 +345,7 @@ def _value(r: _Reader, key: str, kind: str) -> Any:
     return int(v) if kind == "int" else bool(v) if kind == "bool" else v
 
 
-def _int_or_max(r: _Reader, key: str) -> int | None:
+def _int_or_max(r: BoundedReader, key: str) -> int | None:
     """head_count and head_count_kv are per-layer arrays in some hybrid models."""
     f = r.fields.get(key)
     if f is not None and f.types and f.types[0] == GGUFValueType.ARRAY:
@@ -315,7 +375,7 @@ _VOCAB_DEFAULTS: dict[str, tuple[int | None, int | None, bool, bool]] = {
 }
 
 
-def _vocab(r: _Reader) -> Vocab | None:
+def _vocab(r: BoundedReader) -> Vocab | None:
     f = _field(r, Keys.Tokenizer.LIST, "strs")
     if f is None:
         return None
@@ -341,15 +401,48 @@ def _vocab(r: _Reader) -> Vocab | None:
     )
 
 
-def _spec(path: Path, r: _Reader) -> ModelSpec:
+@contextmanager
+def _metadata_errors(path: Path) -> Iterator[None]:
+    """Whatever goes wrong reading the metadata of an open file becomes one GGUFError line."""
+    try:
+        yield
+    except _Corrupt as e:
+        raise _fail(path, str(e)) from None
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
+        raise _fail(path, f"corrupt GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+def _layout(r: BoundedReader) -> tuple[str, int | None, int]:
+    """(architecture, block_count or None when absent, nextn_predict_layers), with llama.cpp's
+    bound on nextn_predict_layers (llama-model.cpp: GGML_ASSERT(n_layer_nextn <= n_layer_all))."""
     arch = _value(r, Keys.General.ARCHITECTURE, "str")
     if not arch:
         raise _Corrupt(f"no {Keys.General.ARCHITECTURE} in the metadata; this is not a model file")
-    n_layer = _value(r, Keys.LLM.BLOCK_COUNT.format(arch=arch), "int")
-    nextn = _value(r, Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), "int") or 0
-    if nextn < 0 or nextn > (n_layer or 0):
-        raise _Corrupt(f"{Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)} is {nextn} "
-                       f"but the model has {n_layer} blocks")
+    count_key = Keys.LLM.BLOCK_COUNT.format(arch=arch)
+    nextn_key = Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)
+    block_count = _value(r, count_key, "int")
+    nextn = _value(r, nextn_key, "int") or 0
+    if not 0 <= nextn <= (block_count or 0):
+        raise _Corrupt(f"{nextn_key} is {nextn} but {count_key} is "
+                       f"{'absent' if block_count is None else block_count}; llama.cpp needs "
+                       f"0 <= {nextn_key} <= {count_key} (the MTP blocks are the last ones); "
+                       "convert the model again with a current llama.cpp")
+    return arch, block_count, nextn
+
+
+def read_layout(reader: BoundedReader) -> MtpLayout:
+    """The block layout of an open GGUF (module doc).
+    raises: GGUFError naming the file when the architecture or block count is missing or
+    nextn_predict_layers is out of llama.cpp's bound (the same line load_spec gives)."""
+    with _metadata_errors(reader.path):
+        arch, block_count, nextn = _layout(reader)
+        if block_count is None:
+            raise _Corrupt(f"no {Keys.LLM.BLOCK_COUNT.format(arch=arch)} in the metadata; this is not a model file")
+    return MtpLayout(arch, block_count, nextn, has_trunk({t.name for t in reader.tensors}, block_count, nextn))
+
+
+def _spec(path: Path, r: BoundedReader) -> ModelSpec:
+    arch, n_layer, nextn = _layout(r)
 
     tensors = tuple(
         TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.n_bytes),
@@ -364,10 +457,8 @@ def _spec(path: Path, r: _Reader) -> ModelSpec:
     quant_mix = tuple(sorted((QuantShare(k, n, b) for k, (n, b) in mix.items()),
                              key=lambda q: (-q.n_bytes, q.type)))
 
-    blocks = []
-    for i in range((n_layer or 0) - nextn, n_layer or 0):
-        prefix = f"blk.{i}."
-        blocks.append(MTPBlock(i, tuple(t for t in tensors if t.name.startswith(prefix))))
+    blocks = [MTPBlock(i, tuple(t for t in tensors if t.name.startswith(f"blk.{i}.")))
+              for i in mtp_block_range(n_layer or 0, nextn)]
 
     return ModelSpec(
         path=path,
@@ -393,10 +484,6 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     """Read a GGUF file's metadata and tensor index (no tensor data is read).
     raises: GGUFError, one line naming the file, for anything missing, unreadable or corrupt."""
     path = Path(path)
-    r = _open(path)
-    try:
+    r = open_gguf(path)
+    with _metadata_errors(path):
         return _spec(path, r)
-    except _Corrupt as e:
-        raise _fail(path, str(e)) from None
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
-        raise _fail(path, f"corrupt GGUF metadata ({type(e).__name__}: {e})") from None

@@ -45,6 +45,7 @@ import gguf
 import numpy as np
 
 from .errors import SpecrunError
+from .spec import open_gguf
 
 ARCH = "qwen35"
 HEAD_DIM = 64                  # attention and GDN head size; n_embd must be a multiple
@@ -173,7 +174,7 @@ def tokenizer_for(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 
 def _build_vocab_data(vocab_gguf: str | Path, out: str | Path, n_max: int = MAX_VOCAB) -> None:
     """Regenerate the package data from llama.cpp's models/ggml-vocab-qwen2.gguf (dev tool)."""
-    r = gguf.GGUFReader(str(vocab_gguf))
+    r = open_gguf(vocab_gguf)
     tokens = r.fields["tokenizer.ggml.tokens"].contents()
     merges = r.fields["tokenizer.ggml.merges"].contents()
     index = {t: i for i, t in enumerate(tokens)}

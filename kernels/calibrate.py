@@ -1,6 +1,6 @@
 """Pick the speculative setting that is fastest on this machine, from a short calibration.
 
-Everything is measured on the loaded engine, in this process (MTP_NOTES §5 is the why: on a CPU a
+Everything is measured on the loaded engine, in this process (on a CPU a
 verify row costs almost as much as a plain step, so acceptance alone does not decide).
 
     D(r)    time of one target decode of r rows with logits (a verify pass of r - 1 draft
@@ -46,8 +46,8 @@ import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
-from .engine import SpecParams
 from .llama import MAX_EXACT_BATCH
+from .params import SpecParams
 from .types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -289,16 +289,13 @@ def _probe_once(engine, prompt: np.ndarray, n_probe: int, spec: SpecParams) -> t
     """Generate at least n_probe tokens. The generation may run n_max + 1 tokens further and is
     stopped early, so no draft is cut short by the end of generation (that would bias the
     acceptance of the last positions and the mean draft length)."""
-    gen = engine.generate(prompt, n_probe + spec.n_max + 1, GREEDY, spec=spec)
     n = 0
-    try:
+    with engine.generate(prompt, n_probe + spec.n_max + 1, GREEDY, spec=spec) as gen:
         for toks in gen:
             n += len(toks)
             if n >= n_probe:
                 break
-    finally:
-        gen.close()
-    st = engine.stats
+    st = gen.stats
     d = st.drafters[0] if st.drafters else None
     return st, d
 

@@ -3,7 +3,7 @@
 Two contexts over the same model evaluate the same prompt; one then decodes n tokens one at a
 time (plain decoding), the other decodes them as one batch of n rows (a verify pass). Exactness
 holds when every row is identical bit for bit. Run it with a prompt longer than 256 tokens to
-cover flash attention's split-KV path (see ../shared/EXACTNESS_NOTES.md).
+cover flash attention's split-KV path (README: "Why the output is exactly the model's").
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Handles close exactly once (idempotent ``close()``, also on garbage collection);
 return code is checked and turned into a SpecrunError carrying the numbers.
 
 Exact mode (the default) configures llama.cpp so that a position's logits are bit-identical
-whether it is decoded alone or inside a verify batch of up to 63 rows (../shared/EXACTNESS_NOTES.md):
-weights are not repacked (``use_extra_bufts=False``), the tiled K-quant matmul is off
+whether it is decoded alone or inside a verify batch of up to 63 rows (README, "Why the output is
+exactly the model's"; `specrun check-exact` measures it): weights are not repacked (``use_extra_bufts=False``), the tiled K-quant matmul is off
 (``GGML_CPU_TILED_MM=0``, read once per process at the first matmul), flash attention is on
 and the KV cache is Q8_0 (so one-token decodes never take flash attention's split-KV path).
 """
@@ -51,12 +51,14 @@ _last_error: list[str] = []   # llama.cpp's latest error line: the reason a load
 
 @L.llama_log_callback
 def _log_callback(level, text, user_data):  # pragma: no cover - called from C
-    if level == _GGML_LOG_ERROR or _llama_log.isEnabledFor(logging.DEBUG):
+    """llama.cpp's own log goes to the `llama.cpp` logger at INFO (shown with -v); its latest error
+    line is kept to explain a failed load or context."""
+    if level == _GGML_LOG_ERROR or _llama_log.isEnabledFor(logging.INFO):
         msg = text.decode("utf-8", errors="replace").strip()
         if msg and level == _GGML_LOG_ERROR:
             _last_error[:] = [msg]
         if msg:
-            _llama_log.debug(msg)
+            _llama_log.info(msg)
 
 
 def _reason() -> str:
@@ -241,6 +243,7 @@ class Context:
                              f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}){_reason()}; try a smaller -c")
         self.n_ctx = int(L.llama_n_ctx(self._ptr))
         self.n_batch = params.n_batch
+        self.n_ubatch = cp.n_ubatch
         self.n_vocab = model.n_vocab
         self.mem = L.llama_get_memory(self._ptr)
         if params.nextn:
@@ -339,16 +342,20 @@ class Context:
             raise LlamaError(f"llama_get_embeddings_nextn_ith({i}) returned NULL")
         return np.ctypeslib.as_array(p, shape=(self.model.n_embd_out,))
 
-    def decode_chunks(self, tokens, pos0: int, on_chunk=None) -> None:
-        """Evaluate tokens of any length in n_batch chunks at positions pos0..; logits for the
-        last token only (logits_rows()[-1] afterwards). on_chunk(chunk, chunk_pos0) runs after
-        each chunk's decode, while its outputs are readable."""
+    def decode_chunks(self, tokens, pos0: int, on_chunk=None, *, chunk: int | None = None) -> bool:
+        """Evaluate tokens of any length in chunks (of `chunk` tokens, at most n_batch) at positions
+        pos0..; logits for the last token only (logits_rows()[-1] afterwards). on_chunk(chunk,
+        chunk_pos0) runs after each chunk's decode, while its outputs are readable; when it returns
+        False the evaluation stops there and decode_chunks returns False (else True).
+        llama.cpp splits every decode into n_ubatch rows, so the chunk size never changes a result."""
         n = len(tokens)
-        for s in range(0, n, self.n_batch):
-            chunk = tokens[s:s + self.n_batch]
-            self.decode(chunk, pos0 + s, "last" if s + len(chunk) == n else "none")
-            if on_chunk is not None:
-                on_chunk(chunk, pos0 + s)
+        step = min(chunk or self.n_batch, self.n_batch)
+        for s in range(0, n, step):
+            part = tokens[s:s + step]
+            self.decode(part, pos0 + s, "last" if s + len(part) == n else "none")
+            if on_chunk is not None and on_chunk(part, pos0 + s) is False:
+                return s + len(part) == n
+        return True
 
     def keep_prefix(self, keep: int, n_held: int) -> int:
         """Shrink seq 0 from n_held positions to its first `keep`. Returns keep, or 0 after clearing

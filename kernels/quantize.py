@@ -1,5 +1,6 @@
 """llama.cpp's own quantizer (`llama_model_quantize`, the engine of `llama-quantize`) with an
-MTP-aware type policy, the synthetic test-model builder, and a greedy MTP-vs-target check.
+MTP-aware type policy. The synthetic test-model builder is kernels.testmodel; the greedy
+MTP-vs-target check is kernels.check_mtp.
 
 MTP policy (`mtp_type`), applied only when the file has nextn blocks and the target mix is a
 quantized one (for f32/f16/bf16 every tensor simply gets that type):
@@ -26,22 +27,16 @@ import ctypes
 import logging
 import os
 import re
-import statistics
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import llama_cpp as L
-import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
-from specrun.gguf_spec.extract import open_gguf, read_layout
-from specrun.gguf_spec.testmodel import SynthConfig, write_test_model
-
-from .llama import Context, ContextParams, Model
+from specrun.gguf_spec.spec import open_gguf, read_layout
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +175,7 @@ def _run_quantize(src: Path, dst: Path, ftype: str, overrides: Sequence[TensorOv
 def _mtp_tensor_names(src: Path) -> tuple[int, list[str], dict[str, int]]:
     """(n_layer, names of the MTP-block tensors, {tensor name: ggml type}) of a GGUF."""
     reader = open_gguf(src)
-    layout = read_layout(reader, src)
+    layout = read_layout(reader)
     types = {t.name: int(t.tensor_type) for t in reader.tensors}
     mtp = [n for n in types if (m := re.match(r"blk\.(\d+)\.", n)) and int(m.group(1)) >= layout.n_layer]
     return (layout.n_layer if layout.nextn_layers else -1), mtp, types
@@ -262,177 +257,4 @@ def _same_policy(src: Path, dst: Path, ftype: str, user: list[TensorOverride], n
 
 def tensor_types(path: str | Path) -> dict[str, str]:
     """{tensor name: ggml type name} of a GGUF (for reports and tests)."""
-    return {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
-
-
-# ---- synthetic test models ------------------------------------------------------------------
-
-TEST_MODEL_QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
-
-
-def build_test_model(path: str | Path, cfg: SynthConfig, quant: str = "f16", *, nthread: int = 0,
-                     on_progress: ProgressFn | None = None) -> Path:
-    """Write a synthetic qwen35 + MTP model (gguf_spec.testmodel) in `quant`. f32/f16 come from
-    the writer; q8_0/q4_k_m from an F32 file through llama.cpp's quantizer with the "same" MTP
-    policy, so an exact head stays exact."""
-    quant = quant.strip().lower()
-    if quant not in TEST_MODEL_QUANTS:
-        raise QuantizeError(f"unknown test-model quant '{quant}'; choose one of {', '.join(TEST_MODEL_QUANTS)}")
-    path = Path(path)
-    if quant in ("f32", "f16"):
-        return write_test_model(path, cfg, quant)
-    if "_k" in quant and (cfg.n_embd % 256 or cfg.n_ff % 256):
-        raise QuantizeError(f"{quant} needs n_embd and n_ff to be multiples of 256 (K-quant super-blocks); "
-                            f"got n_embd {cfg.n_embd}, n_ff {cfg.n_ff}")
-    tmp = path.with_name(path.name + ".f32.tmp")
-    try:
-        write_test_model(tmp, cfg, "f32")
-        quantize(tmp, path, quant, mtp_type="same", nthread=nthread, on_progress=on_progress)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-# ---- greedy MTP check -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Agreement:
-    """Greedy single-step acceptance: at n positions p, does argmax of the MTP row
-    (x_p, p, h_{p-1}) equal argmax of the target's logits at p?"""
-
-    n: int
-    n_agree: int
-    max_abs_dlogit: float
-
-    @property
-    def rate(self) -> float:
-        return self.n_agree / self.n if self.n else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class MtpCheck:
-    tokens: tuple[int, ...]            # the greedy sequence (prompt + generated)
-    n_prompt: int
-    greedy: Agreement                  # over the generated positions
-    vocab: Agreement | None            # every token once, in a seeded random order
-    t_target_ms: float | None          # median one-token target decode (with logits)
-    t_mtp_ms: float | None             # median one-row MTP decode (with logits and h)
-
-    @property
-    def cost_ratio(self) -> float | None:
-        """trunk:MTP cost, t_target / t_mtp."""
-        if self.t_target_ms is None or not self.t_mtp_ms:
-            return None
-        return self.t_target_ms / self.t_mtp_ms
-
-
-class _Pair:
-    """A target context and an MTP draft context (MTP_NOTES §1) over kernels.llama's handles."""
-
-    def __init__(self, model: Path, heads: Path | None, n_ctx: int, n_batch: int, n_threads: int):
-        self._stack = ExitStack()
-        self.n_batch = n_batch
-        try:
-            self.tm = self._stack.enter_context(Model(model, load_mtp=heads is None))
-            self.hm = self._stack.enter_context(Model(heads, load_mtp=True)) if heads is not None else self.tm
-            if self.hm.n_layer_nextn < 1:
-                raise QuantizeError(f"{heads or model} has no MTP (nextn) layers")
-            self.E = self.tm.n_embd_out
-            if self.hm.n_embd_out != self.E:
-                raise QuantizeError(f"MTP width {self.hm.n_embd_out} != target width {self.E}")
-            cp = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads,
-                               n_threads_batch=n_threads)
-            self.ct = self._stack.enter_context(Context(self.tm, replace(cp, nextn="all")))
-            self.cm = self._stack.enter_context(Context(self.hm, replace(cp, mtp=True, nextn="outputs"),
-                                                        ctx_other=self.ct))
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        self._stack.close()
-
-    def __enter__(self) -> _Pair:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # [n, n_vocab] logits of every row (and [n, E] hidden rows)
-    def target(self, tokens: Sequence[int], pos0: int, hidden: bool = False):
-        self.ct.decode(tokens, pos0, "all")
-        lg = self.ct.logits_rows().copy()
-        return (lg, self.ct.nextn_rows().copy()) if hidden else lg
-
-    # MTP rows (tokens[i], pos0 + i, hidden[i]) -> [n, n_vocab] logits
-    def mtp(self, tokens: Sequence[int], pos0: int, hidden: np.ndarray) -> np.ndarray:
-        self.cm.decode_with_hidden(tokens, pos0, hidden, logits="all")
-        return self.cm.logits_rows().copy()
-
-    def clear(self) -> None:
-        self.ct.clear()
-        self.cm.clear()
-
-    def agreement(self, seq: Sequence[int], first: int) -> Agreement:
-        """Decode seq from scratch in chunks; compare positions first .. len(seq)-1."""
-        self.clear()
-        lgs, hs = [], []
-        for s in range(0, len(seq), self.n_batch):
-            lg, h = self.target(seq[s:s + self.n_batch], s, hidden=True)
-            lgs.append(lg)
-            hs.append(h)
-        lg_t, H = np.concatenate(lgs), np.concatenate(hs)
-        h_prev = np.vstack([np.zeros((1, self.E), np.float32), H[:-1]])   # h_{p-1}, zeros at p=0
-        lg_m = np.concatenate([self.mtp(seq[s:s + self.n_batch], s, h_prev[s:s + self.n_batch])
-                               for s in range(0, len(seq), self.n_batch)])
-        a, b = lg_t[first:], lg_m[first:]
-        return Agreement(len(a), int((a.argmax(1) == b.argmax(1)).sum()), float(np.abs(a - b).max()))
-
-
-def check_mtp(model: str | Path, heads: str | Path | None = None, *, prompt: Sequence[int] = (1, 2, 3, 4),
-              n_gen: int = 64, vocab: bool = False, time_reps: int = 0, n_threads: int = 1,
-              seed: int = 0) -> MtpCheck:
-    """Greedy MTP-vs-target check on a real llama.cpp model.
-
-    model: a GGUF with nextn layers (heads=None), or the target (trunk-only or full) with
-    heads = an MTP-only GGUF. Generates n_gen greedy tokens one at a time after `prompt`, then
-    compares MTP and target argmax at every generated position (`greedy`); `vocab` also runs
-    every token id once in a seeded random order; time_reps > 0 times one-token decodes.
-    n_threads defaults to 1: on a busy machine ggml's 2-thread barrier can cost 10-100x."""
-    model = Path(model)
-    heads = Path(heads) if heads is not None else None
-    reader = open_gguf(model)
-    if not any(t.name == "blk.0.attn_norm.weight" for t in reader.tensors):
-        raise QuantizeError(f"{model} has no trunk (an MTP-only file?); pass the full or trunk-only "
-                            "model, and the heads file as `heads`")
-    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    del reader
-    n_ctx = (max(len(prompt) + n_gen + time_reps + 3, n_vocab if vocab else 0) + 256) // 256 * 256
-    with _Pair(model, heads, n_ctx, 64, n_threads) as pair:
-        seq = list(prompt)
-        lg = pair.target(seq, 0)[-1]
-        for _ in range(n_gen):
-            seq.append(int(lg.argmax()))
-            lg = pair.target(seq[-1:], len(seq) - 1)[-1]
-        greedy = pair.agreement(seq, len(prompt))   # leaves both caches filled to len(seq) - 1
-        t_t = t_m = None
-        if time_reps > 0:
-            pos, tt, tm = len(seq), [], []
-            h = np.zeros((1, pair.E), np.float32)
-            for r in range(time_reps + 3):             # 3 warm-up decodes
-                tok = [seq[r % len(seq)]]
-                t0 = time.perf_counter()
-                pair.target(tok, pos + r)
-                t1 = time.perf_counter()
-                pair.mtp(tok, pos + r, h)
-                t2 = time.perf_counter()
-                if r >= 3:
-                    tt.append(t1 - t0)
-                    tm.append(t2 - t1)
-            t_t, t_m = statistics.median(tt) * 1e3, statistics.median(tm) * 1e3
-        vocab_agree = None
-        if vocab:
-            perm = np.random.default_rng(seed).permutation(n_vocab).tolist()
-            vocab_agree = pair.agreement(perm, 1)
-    return MtpCheck(tuple(seq), len(prompt), greedy, vocab_agree, t_t, t_m)
+    return {t.name: t.tensor_type.name.lower() for t in open_gguf(path).tensors}

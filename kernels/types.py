@@ -6,6 +6,7 @@ emitted token, not yet decoded by the target), n_past (its position), n_draft, n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -66,20 +67,65 @@ class Verdict:
     tokens: np.ndarray
 
 
-class Drafter(Protocol):
-    """One lifecycle for every drafter (llama.cpp's begin / draft / accept).
+@dataclass(frozen=True, slots=True)
+class TargetPass:
+    """One target decode: tokens int32 [n] at positions pos0..pos0+n-1, of which the first n_keep
+    stay in the target's KV cache (a prompt chunk keeps all; a verify pass [id_last, d1..dk] keeps
+    n_accepted + 1). hidden: float32 [n, n_embd_out], the target's final-norm rows that MTP heads
+    read, or None when no drafter needs them. Arrays are views, valid until the next decode."""
 
-    begin(prompt):          a new sequence starts; prompt = every token the target has seen.
-    propose(ctx, n_max):    ctx = prompt + emitted tokens so far, ending with id_last (int32 [n]);
-                            returns at most n_max tokens to follow id_last.
-    accept(n_accepted, emitted): the target accepted n_accepted of the last draft and emitted
-                            `emitted` (int32 [n_accepted + 1]); drafters with state roll back.
+    tokens: np.ndarray
+    pos0: int
+    n_keep: int
+    hidden: np.ndarray | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DraftOptions:
+    """How to draft during one generation.
+
+    p_min:    greedy drafting stops when the drafter's top-1 probability falls below it.
+    sampling: the target's sampling, when drafts are sampled from the drafter's distribution q
+              (rejection verification at temperature > 0); None: greedy top-1 drafts.
     """
 
-    spec_type: ClassVar[str]
+    p_min: float = 0.0
+    sampling: SamplingParams | None = None
 
-    def begin(self, prompt: np.ndarray) -> None: ...
+
+class Drafter(Protocol):
+    """One lifecycle for every drafter (llama.cpp's common_speculative: begin / draft / accept).
+
+    begin(prompt, n_keep, opts) -> int
+        A generation starts. prompt: int32 [n], every token the target will hold before the first
+        emitted token; the target's KV already holds prompt[:n_keep] and evaluates the rest (in
+        chunks, each reported through accept()). Returns how many leading positions the drafter
+        can follow from (<= n_keep); the engine re-evaluates from the smallest answer.
+    propose(ctx, n_max) -> Draft
+        ctx: int32 [L] = prompt + emitted tokens, ending with id_last (not yet decoded by the
+        target). Returns 0..n_max tokens to follow id_last; never more than n_max.
+    accept(tp)
+        The target evaluated tp (a prompt chunk or a verify pass) and keeps tp.n_keep of its rows:
+        drafters that follow the target's positions (MTP) take its hidden rows and drop the rest.
+    close()
+        Free native resources; idempotent.
+    """
+
+    spec_type: ClassVar[str]      # exactly the --spec-type string
+    needs_hidden: ClassVar[bool]  # whether accept() needs TargetPass.hidden
+
+    def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int: ...
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft: ...
 
-    def accept(self, n_accepted: int, emitted: np.ndarray) -> None: ...
+    def accept(self, tp: TargetPass) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    a, b = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else n

@@ -1,10 +1,11 @@
-"""Drafters that force the verifier through one branch (tests only)."""
+"""Drafters that force the verifier through one branch (tests only); they implement
+kernels.types.Drafter like the real ones."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from specrun.kernels.types import Draft
+from specrun.kernels.types import Draft, DraftOptions, TargetPass
 
 
 class ShiftedDraft:
@@ -14,39 +15,40 @@ class ShiftedDraft:
     def __init__(self, inner, n_vocab: int) -> None:
         self.inner, self.n_vocab = inner, n_vocab
         self.spec_type = inner.spec_type
+        self.needs_hidden = inner.needs_hidden
 
-    def begin(self, prompt: np.ndarray) -> None:
-        self.inner.begin(prompt)
+    def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
+        return self.inner.begin(prompt, n_keep, opts)
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         d = self.inner.propose(ctx, n_max)
         return Draft(((d.tokens + 1) % self.n_vocab).astype(np.int32), None)
 
-    def accept(self, n_accepted: int, emitted: np.ndarray) -> None:
-        self.inner.accept(n_accepted, emitted)
+    def accept(self, tp: TargetPass) -> None:
+        self.inner.accept(tp)
 
-    def observe(self, tp, n_keep: int) -> None:
-        if hasattr(self.inner, "observe"):
-            self.inner.observe(tp, n_keep)
-
-    def n_synced(self) -> int:
-        return self.inner.n_synced() if hasattr(self.inner, "n_synced") else 1 << 30
+    def close(self) -> None:
+        self.inner.close()
 
 
 class OracleDraft:
     """Proposes a known continuation (e.g. plain decoding's own output): always right."""
 
     spec_type = "oracle"
+    needs_hidden = False
 
     def __init__(self, reference: list[int], n_prompt: int) -> None:
         self.reference, self.n_prompt = reference, n_prompt
 
-    def begin(self, prompt: np.ndarray) -> None:
-        pass
+    def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
+        return n_keep
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         i = len(ctx) - self.n_prompt          # index in reference of the token after id_last
         return Draft(np.asarray(self.reference[i:i + n_max], dtype=np.int32), None)
 
-    def accept(self, n_accepted: int, emitted: np.ndarray) -> None:
+    def accept(self, tp: TargetPass) -> None:
+        pass
+
+    def close(self) -> None:
         pass

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from specrun.cli.main import cli
 from specrun.gguf_spec.errors import GGUFError
+from specrun.gguf_spec.extract import ExtractError, NoMtpHeads, extract_mtp, extract_trunk
 from specrun.gguf_spec.spec import ModelSpec, load_spec
 
 STRING, ARRAY, UINT32 = 8, 9, 4
@@ -149,6 +150,50 @@ def test_inspect_exits_1_with_one_line(tmp_path, name):
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"Error: {path}: ") and CASES[name][1] in lines[0]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", list(CASES))
+def test_extract_gives_the_same_line_as_load_spec(tmp_path, name):
+    """extract reads through the same bounded reader and layout check as load_spec."""
+    path = make_case(tmp_path, name)
+    with pytest.raises(GGUFError) as want:
+        load_spec(path)
+    for extract in (extract_mtp, extract_trunk):
+        with pytest.raises(GGUFError) as got:
+            extract(path, tmp_path / "out.gguf")
+        assert str(got.value) == str(want.value)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+# ---- nextn_predict_layers: llama.cpp's bound 0 <= nextn <= block_count, checked in one place ----
+
+def test_nextn_past_block_count_is_one_line_from_load_spec_extract_and_inspect(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", arch="qwen35", n_layer=3, nextn=4)
+    want = (f"{path}: qwen35.nextn_predict_layers is 4 but qwen35.block_count is 3; llama.cpp needs "
+            "0 <= qwen35.nextn_predict_layers <= qwen35.block_count (the MTP blocks are the last ones); "
+            "convert the model again with a current llama.cpp")
+    for read in (load_spec, lambda p: extract_mtp(p, tmp_path / "h.gguf"),
+                 lambda p: extract_trunk(p, tmp_path / "t.gguf")):
+        with pytest.raises(GGUFError) as e:
+            read(path)
+        assert str(e.value) == want
+    for args in (["inspect", str(path)], ["extract-mtp", str(path), "-o", str(tmp_path / "h.gguf")]):
+        r = CliRunner().invoke(cli, args)
+        assert (r.exit_code, r.stdout, r.stderr) == (1, "", f"Error: {want}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_nextn_equal_to_block_count_is_all_mtp_blocks_and_no_trunk(tmp_path):
+    """llama.cpp allows it (a model made only of NextN blocks); there is nothing to split."""
+    path = write_gguf(tmp_path / "m.gguf", arch="qwen35", n_layer=2, nextn=2)
+    s = load_spec(path)
+    assert [b.index for b in s.mtp_blocks] == [0, 1] and s.has_mtp and not s.has_trunk
+    with pytest.raises(NoMtpHeads, match=r"m.gguf is already an MTP-only file \(it has no trunk tensors\)$"):
+        extract_mtp(path, tmp_path / "h.gguf")
+    with pytest.raises(ExtractError, match="m.gguf is an MTP-only file .*; there is no trunk to extract$"):
+        extract_trunk(path, tmp_path / "t.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
 def test_unreadable_path(tmp_path):

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specrun.cli.auto import available_types, resolve_auto
 from specrun.cli.bench_cmd import BenchPrompt, Setting, parse_settings, run_bench, tables
 from specrun.cli.main import cli
+from specrun.cli.runtime.auto import resolve_auto
+from specrun.cli.runtime.loading import available_types
 from specrun.kernels.calibrate import (
     Costs,
     DrafterCost,
@@ -25,7 +26,7 @@ from specrun.kernels.calibrate import (
     fit_drafter,
     predict,
 )
-from specrun.kernels.engine import SpecParams
+from specrun.kernels.params import SpecParams
 from specrun.kernels.types import Draft
 
 MS = 1e-3
@@ -43,7 +44,7 @@ def tiny_mtp(tmp_path_factory):
     """The tiny shape: 2 trunk layers, n_embd 256, an exact MTP head as costly as the trunk. Q8_0:
     quantized weights are bit-exact in verify batches (F16 ones differ by ~1e-5, README)."""
     from specrun.gguf_spec.testmodel import Head, SynthConfig
-    from specrun.kernels.quantize import build_test_model
+    from specrun.kernels.testmodel import build_test_model
 
     return build_test_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", SynthConfig(head=Head.parse("exact")),
                             "q8_0")
@@ -59,7 +60,8 @@ def real_mtp(tmp_path_factory):
 
 
 def engine_for(path, types=None):
-    from specrun.kernels.engine import Engine, EngineParams
+    from specrun.kernels.engine import Engine
+    from specrun.kernels.params import EngineParams
 
     types = available_types(path, None) if types is None else types
     return Engine(str(path), EngineParams(n_ctx=1024, n_threads=1, spec=SpecParams(types=types, n_max=16)))
@@ -178,12 +180,13 @@ class LeakyKV:
     a plain one: only the corrupted cache can change the output."""
 
     spec_type = "leaky-kv"
+    needs_hidden = False
 
     def __init__(self, engine) -> None:
         self.engine, self.n_corrupted = engine, 0
 
-    def begin(self, prompt) -> None:
-        pass
+    def begin(self, prompt, n_keep: int, opts) -> int:
+        return n_keep
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         p = len(ctx) - 2                                   # the last position the target evaluated
@@ -193,7 +196,10 @@ class LeakyKV:
             self.n_corrupted += 1
         return Draft.empty()
 
-    def accept(self, n_accepted: int, emitted: np.ndarray) -> None:
+    def accept(self, tp) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -341,7 +347,7 @@ def test_auto_chooses_none_when_every_setting_is_slower(tiny_mtp, capsys):
     """Tiny shape: the MTP head costs as much as the trunk, and free text has no repeated n-grams."""
     with engine_for(tiny_mtp) as engine:
         assert engine.mtp_enabled
-        spec = resolve_auto(engine, {}, engine.tokenize(FREE))
+        spec = resolve_auto(engine, SpecParams(), engine.tokenize(FREE))
     assert spec.types == ()
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.match(r"spec auto: none: no speculative setting is predicted faster than ×1\.10; the best, "
@@ -352,7 +358,7 @@ def test_auto_chooses_none_when_every_setting_is_slower(tiny_mtp, capsys):
 def test_auto_chooses_draft_mtp_when_it_is_clearly_faster(real_mtp, capsys):
     """Realistic shape: the exact head is accepted every time and costs ~1/25 of a plain step."""
     with engine_for(real_mtp) as engine:
-        spec = resolve_auto(engine, {"adaptive": True}, engine.tokenize(FREE))
+        spec = resolve_auto(engine, SpecParams(adaptive=True), engine.tokenize(FREE))
     assert spec.types == ("draft-mtp",) and spec.n_max >= 3 and spec.adaptive
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.match(rf"spec auto: draft-mtp n-max {spec.n_max}: predicted ×\d\.\d\d over none \(acceptance "

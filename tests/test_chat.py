@@ -15,12 +15,15 @@ import pexpect
 import pytest
 from click.testing import CliRunner
 
-from specrun.cli.chat_cmd import ChatSession, ContextFull, history_path
 from specrun.cli.main import cli
+from specrun.cli.repl import history_path
+from specrun.cli.runtime.chat import ChatSession, ContextFull
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.gguf_spec.testmodel import write_test_model
 from specrun.kernels.chat_template import TemplateError, template_for
-from specrun.kernels.engine import Engine, EngineParams, SpecParams
+from specrun.kernels.engine import Engine, Generation
+from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams
 
 GREEDY = SamplingParams(temp=0.0)
@@ -172,15 +175,16 @@ def test_load_refuses_a_bad_file_and_keeps_the_conversation(session, tmp_path, c
 def test_a_failed_turn_leaves_the_conversation_as_it_was(session, monkeypatch):
     session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
-    def failing(*a, **k):
+    def steps():
         raise SpecrunError("the engine broke")
         yield []
 
-    monkeypatch.setattr(session.engine, "generate", failing)
+    monkeypatch.setattr(session.engine, "generate", lambda *a, **k: Generation(steps(), GenStats()))
     with pytest.raises(SpecrunError, match="the engine broke"):
         "".join(session.send("again"))
     assert session.messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    session.template = replace(session.template, source="{{ raise_exception('one user message only') }}")
+    broken = replace(session.template, source="{{ raise_exception('one user message only') }}")
+    session.format = replace(session.format, template=broken)
     with pytest.raises(TemplateError, match="one user message only"):
         "".join(session.send("again"))
     assert len(session.messages) == 2 and session.last is None

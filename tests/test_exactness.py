@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from drafters import OracleDraft, ShiftedDraft
 
-from specrun.kernels.draft_model import DraftModel
-from specrun.kernels.engine import Engine, EngineParams, SpecParams
+from specrun.kernels.drafters import DraftModel
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -25,7 +27,7 @@ TEMPS = (0.0, 0.8)
 N_GEN = 32
 SEED = 1234
 
-_CODE = (Path(__file__).resolve().parents[1] / "kernels" / "stats.py").read_text()[:2400]
+_CODE = (Path(__file__).parent / "data" / "copy_source.txt").read_text()   # 2,400 characters of Python
 PROMPTS = {
     # under 256 tokens: grounded rewriting, so n-grams repeat
     "short": "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
@@ -43,11 +45,9 @@ def spec(types=(), n_max=3, **kw) -> SpecParams:
     return SpecParams(types=types, n_max=n_max, verify="match", **kw)
 
 
-def run(engine: Engine, prompt: np.ndarray, temp: float, n_gen: int = N_GEN, **kw) -> list[int]:
-    out: list[int] = []
-    for toks in engine.generate(prompt, n_gen, sampling(temp), **kw):
-        out.extend(toks)
-    return out
+def run(engine: Engine, prompt: np.ndarray, temp: float, n_gen: int = N_GEN, **kw) -> tuple[list[int], GenStats]:
+    gen = engine.generate(prompt, n_gen, sampling(temp), **kw)
+    return [t for toks in gen for t in toks], gen.stats
 
 
 class Target:
@@ -63,13 +63,13 @@ class Target:
     def plain(self, prompt: str, temp: float) -> list[int]:
         key = (prompt, temp)
         if key not in self._plain:
-            self._plain[key] = run(self.engine, self.prompts[prompt], temp, spec=spec())
-            assert self.engine.stats.n_target_passes == len(self._plain[key]) - 1   # one pass per token
+            self._plain[key], st = run(self.engine, self.prompts[prompt], temp, spec=spec())
+            assert st.n_target_passes == len(self._plain[key]) - 1   # one pass per token
         return self._plain[key]
 
     def self_draft(self) -> DraftModel:
         if self._self_draft is None:
-            self._self_draft = DraftModel(self.engine, self.path)
+            self._self_draft = DraftModel(self.engine.target, self.path)
         return self._self_draft
 
 
@@ -88,15 +88,15 @@ def test_prompts_cover_both_sides_of_256(target):
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
 @pytest.mark.parametrize("n_max", N_MAX)
 def test_ngram_simple_equals_plain(target, prompt, temp, n_max):
-    got = run(target.engine, target.prompts[prompt], temp,
-              spec=spec(("ngram-simple",), n_max, ngram_size_n=2, ngram_size_m=16))
+    got, _ = run(target.engine, target.prompts[prompt], temp,
+                 spec=spec(("ngram-simple",), n_max, ngram_size_n=2, ngram_size_m=16))
     assert got == target.plain(prompt, temp)
 
 
 def test_ngram_simple_drafts_and_accepts_on_copying(target):
     """The branch that accepts is really taken (greedy copy of a long file)."""
-    run(target.engine, target.prompts["long"], 0.0, spec=spec(("ngram-simple",), 8, ngram_size_n=2, ngram_size_m=16))
-    st = target.engine.stats
+    _, st = run(target.engine, target.prompts["long"], 0.0,
+                spec=spec(("ngram-simple",), 8, ngram_size_n=2, ngram_size_m=16))
     assert st.n_drafted > 0 and st.n_accepted > 0
     assert st.n_target_passes < st.n_gen - 1
 
@@ -106,9 +106,8 @@ def test_ngram_simple_drafts_and_accepts_on_copying(target):
 @pytest.mark.parametrize("n_max", N_MAX)
 def test_draft_self_equals_plain(target, prompt, temp, n_max):
     """The target as its own draft model: greedy accepts every draft token."""
-    got = run(target.engine, target.prompts[prompt], temp, spec=spec(n_max=n_max),
-              drafters=[target.self_draft()])
-    st = target.engine.stats
+    got, st = run(target.engine, target.prompts[prompt], temp, spec=spec(n_max=n_max),
+                  drafters=[target.self_draft()])
     assert got == target.plain(prompt, temp)
     assert st.n_drafted > 0
     if temp == 0.0:
@@ -122,8 +121,7 @@ def test_draft_self_equals_plain(target, prompt, temp, n_max):
 def test_draft_always_wrong_equals_plain(target, prompt, temp, n_max):
     wrong = ShiftedDraft(target.self_draft(), target.engine.model.n_vocab)
     # every token costs n_max draft decodes here: a shorter run keeps the suite within CI's time
-    got = run(target.engine, target.prompts[prompt], temp, n_gen=16, spec=spec(n_max=n_max), drafters=[wrong])
-    st = target.engine.stats
+    got, st = run(target.engine, target.prompts[prompt], temp, n_gen=16, spec=spec(n_max=n_max), drafters=[wrong])
     assert got == target.plain(prompt, temp)[:16]
     assert st.n_drafted > 0
     if temp == 0.0:
@@ -138,11 +136,21 @@ def test_oracle_accepts_everything_when_sampling(target, temp, n_max):
     temperature: position-keyed draws make the verifier's samples equal plain sampling."""
     ref = target.plain("long", temp)
     n_prompt = len(target.prompts["long"])
-    got = run(target.engine, target.prompts["long"], temp, spec=spec(n_max=n_max),
-              drafters=[OracleDraft(ref, n_prompt)])
-    st = target.engine.stats
+    got, st = run(target.engine, target.prompts["long"], temp, spec=spec(n_max=n_max),
+                  drafters=[OracleDraft(ref, n_prompt)])
     assert got == ref
     assert st.n_accepted == st.n_drafted > 0
+
+
+@pytest.mark.parametrize("n_max", (3, 15))
+def test_default_verify_auto_greedy_equals_plain(target, n_max):
+    """The defaults a user gets (--spec-verify auto) at temperature 0: drafts from a model with a
+    distribution are verified by sample-and-match, so the text equals plain decoding."""
+    auto = SpecParams(n_max=n_max)                  # verify="auto", the CLI's default
+    assert auto.verify == "auto"
+    got, st = run(target.engine, target.prompts["long"], 0.0, spec=auto, drafters=[target.self_draft()])
+    assert got == target.plain("long", 0.0)
+    assert st.verify == "match" and st.n_accepted == st.n_drafted > 0
 
 
 # ---- draft-mtp on tiny qwen35 models (bit-exact with quantized weights) ----------------------
@@ -151,7 +159,7 @@ def test_oracle_accepts_everything_when_sampling(target, temp, n_max):
 @pytest.fixture(scope="module")
 def mtp_models(tmp_path_factory):
     from specrun.gguf_spec.testmodel import Head, SynthConfig
-    from specrun.kernels.quantize import build_test_model
+    from specrun.kernels.testmodel import build_test_model
 
     d = tmp_path_factory.mktemp("mtp")
     return {head: build_test_model(d / f"{head}.gguf", SynthConfig(head=Head.parse(head)), "q8_0")
@@ -167,10 +175,9 @@ def test_draft_mtp_equals_plain(mtp_models, head):
         assert len(toks["short"]) < 256 < len(toks["long"])
         for name, prompt in toks.items():
             for temp in TEMPS:
-                plain = run(e, prompt, temp, spec=spec())
+                plain, _ = run(e, prompt, temp, spec=spec())
                 for n_max in N_MAX:
-                    got = run(e, prompt, temp, spec=spec(("draft-mtp",), n_max))
-                    st = e.stats
+                    got, st = run(e, prompt, temp, spec=spec(("draft-mtp",), n_max))
                     assert got == plain, (name, temp, n_max)
                     assert st.n_drafted > 0
                     if head == "exact" and temp == 0.0:

@@ -9,7 +9,21 @@ import pytest
 
 from specrun.gguf_spec.compat import check_draft_compatible, require_draft_compatible
 from specrun.gguf_spec.errors import IncompatibleDraft
-from specrun.gguf_spec.spec import ModelSpec, MTPBlock, TensorInfo, Vocab, load_spec
+from specrun.gguf_spec.extract import extract_mtp, extract_trunk
+from specrun.gguf_spec.spec import (
+    TRUNK_PROBE,
+    BoundedReader,
+    ModelSpec,
+    MTPBlock,
+    MtpLayout,
+    TensorInfo,
+    Vocab,
+    has_trunk,
+    load_spec,
+    mtp_block_range,
+    open_gguf,
+    read_layout,
+)
 
 slow = pytest.mark.slow     # gemma: assembled into the cache (253 MB) the first time
 
@@ -94,6 +108,41 @@ def test_tiny_model_mtp_blocks_are_the_last_ones(make_gguf):
     s = load_spec(make_gguf(arch="qwen35", n_layer=4, nextn=2))
     assert [b.index for b in s.mtp_blocks] == [2, 3]
     assert all(len(b.nextn) == 4 for b in s.mtp_blocks)
+
+
+def test_layout_and_trunk_follow_llama_cpp(make_gguf, tmp_path):
+    """The MTP blocks are the last nextn of block_count; a file has the trunk when a block comes
+    before them and blk.0.attn_norm.weight is there (llama.cpp's MTP-only test)."""
+    assert TRUNK_PROBE == "blk.0.attn_norm.weight"
+    assert list(mtp_block_range(4, 2)) == [2, 3] and list(mtp_block_range(4, 0)) == []
+    assert list(mtp_block_range(2, 2)) == [0, 1]
+    assert has_trunk([TRUNK_PROBE], 3, 1) and not has_trunk([TRUNK_PROBE], 2, 2)
+    assert not has_trunk(["blk.2.attn_norm.weight"], 3, 1) and not has_trunk([TRUNK_PROBE], None, 0)
+
+    full = make_gguf(arch="qwen35", n_layer=3, nextn=1)
+    r = open_gguf(full)
+    assert isinstance(r, BoundedReader) and r.path == full
+    layout = read_layout(r)
+    assert layout == MtpLayout("qwen35", block_count=3, nextn_layers=1, has_trunk=True)
+    assert (layout.n_layer, layout.mtp_blocks) == (2, range(2, 3))
+    heads = extract_mtp(full, tmp_path / "heads.gguf").path
+    trunk = extract_trunk(full, tmp_path / "trunk.gguf").path
+    assert read_layout(open_gguf(heads)) == MtpLayout("qwen35", 3, 1, has_trunk=False)
+    assert read_layout(open_gguf(trunk)) == MtpLayout("qwen35", 2, 0, has_trunk=True)
+    got = {p.name: (s.has_trunk, s.has_mtp, [b.index for b in s.mtp_blocks])
+           for p in (full, heads, trunk, make_gguf("plain.gguf")) for s in [load_spec(p)]}
+    assert got == {"tiny.gguf": (True, True, [2]), "heads.gguf": (False, True, [2]),
+                   "trunk.gguf": (True, False, []), "plain.gguf": (True, False, [])}
+
+
+def test_bounded_reader_keeps_numeric_arrays_whole(make_gguf):
+    """One data part per numeric array (contents() reads it), the same values as gguf's reader."""
+    path = make_gguf()
+    r, stock = open_gguf(path), gguf.GGUFReader(path)
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        assert len(r.fields[key].data) == 1
+        assert r.fields[key].contents() == stock.fields[key].contents()
+    assert r.fields["tokenizer.ggml.tokens"].contents() == stock.fields["tokenizer.ggml.tokens"].contents()
 
 
 def test_declared_nextn_without_nextn_tensors_is_not_mtp(make_gguf, tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrun.kernels.ngram import NgramSimple
-from specrun.kernels.types import Draft
+from specrun.kernels.drafters import NgramSimple
+from specrun.kernels.types import Draft, TargetPass
 
 
 def llama_ngram_simple(ctx: list[int], n: int, m: int, n_max: int) -> list[int]:
@@ -108,7 +108,8 @@ def test_equals_brute_force_incrementally(alphabet, n, m):
             n_drafted += len(draft)
             # emit 1..3 tokens, sometimes following the draft (so repeats keep coming)
             emitted = draft[: int(rng.integers(0, len(draft) + 1))] + rng.integers(0, alphabet, 1).tolist()
-            drafter.accept(len(emitted) - 1, np.asarray(emitted, dtype=np.int32))
+            batch = np.asarray([ctx[-1], *draft], dtype=np.int32)   # the verify pass [id_last, d1..dk]
+            drafter.accept(TargetPass(batch, len(ctx) - 1, len(emitted)))
             ctx.extend(emitted)
         assert n_drafted > 0
 

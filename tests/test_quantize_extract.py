@@ -14,15 +14,9 @@ from specrun.gguf_spec.errors import GGUFError
 from specrun.gguf_spec.extract import ExtractError, NoMtpHeads, extract_mtp, extract_trunk
 from specrun.gguf_spec.spec import load_spec
 from specrun.gguf_spec.testmodel import TINY, Head, SynthConfig, write_test_model
-from specrun.kernels.quantize import (
-    QuantizeError,
-    TensorOverride,
-    build_test_model,
-    check_mtp,
-    parse_override,
-    quantize,
-    tensor_types,
-)
+from specrun.kernels.check_mtp import check_mtp
+from specrun.kernels.quantize import QuantizeError, TensorOverride, parse_override, quantize, tensor_types
+from specrun.kernels.testmodel import build_test_model
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +116,13 @@ def test_requantizing_needs_the_flag(q4, tmp_path):
 def test_not_a_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all" * 10)
-    with pytest.raises(GGUFError, match="bad.gguf: not a readable GGUF"):
+    words = r"bad.gguf: not a GGUF file \(it starts with b'not ', not b'GGUF'\)$"
+    with pytest.raises(GGUFError, match=words):
         quantize(bad, tmp_path / "o.gguf", "q8_0")
-    with pytest.raises(GGUFError, match="bad.gguf: not a readable GGUF"):
+    with pytest.raises(GGUFError, match=words):
         extract_mtp(bad, tmp_path / "o.gguf")
+    with pytest.raises(GGUFError, match=words):
+        tensor_types(bad)
 
 
 # ---- extract --------------------------------------------------------------------------------

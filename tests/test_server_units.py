@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from specrun.cli.server_metrics import Metrics
-from specrun.cli.server_slots import Busy, Job, Outcome, SlotPool, StopScanner
+from specrun.cli.runtime.text import StopScanner
+from specrun.cli.server.metrics import Metrics
+from specrun.cli.server.slots import Busy, Job, Outcome, SlotPool
 from specrun.kernels.stats import DrafterStats, GenStats
 from specrun.kernels.types import SamplingParams
 

@@ -13,10 +13,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from specrun.kernels.draft_model import DraftModel
-from specrun.kernels.engine import Engine, EngineParams, SpecParams
+from specrun.kernels.drafters import DraftModel
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import EngineParams, SpecParams
 from specrun.kernels.sampling import transform
-from specrun.kernels.types import SamplingParams
+from specrun.kernels.types import DraftOptions, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -28,19 +29,15 @@ SAMPLING = SamplingParams(temp=0.8)          # llama.cpp's default top-k 40, top
 class HotDraft(DraftModel):
     """Draws its drafts at temperature 1.5 while the target samples at 0.8: q differs from p."""
 
-    @property
-    def sampling(self):
-        return self._sampling
-
-    @sampling.setter
-    def sampling(self, s):
-        self._sampling = None if s is None else replace(s, temp=1.5)
+    def begin(self, prompt, n_keep: int, opts: DraftOptions) -> int:
+        hot = None if opts.sampling is None else replace(opts.sampling, temp=1.5)
+        return super().begin(prompt, n_keep, replace(opts, sampling=hot))
 
 
 @pytest.fixture(scope="module")
 def setup(gemma_path):
     e = Engine(str(gemma_path), EngineParams(n_ctx=512))
-    d = HotDraft(e, str(gemma_path))
+    d = HotDraft(e.target, str(gemma_path))
     yield e, d
     d.close()
     e.close()
@@ -56,11 +53,12 @@ def test_first_verified_token_follows_the_model(setup):
     spec = SpecParams(n_max=2, verify="rejection")
     pairs, n_drafted, n_accepted = [], 0, 0
     for seed in range(N_SEEDS):
-        out = [t for ch in e.generate(P, 4, replace(SAMPLING, seed=seed), spec=spec, drafters=[d]) for t in ch]
+        gen = e.generate(P, 4, replace(SAMPLING, seed=seed), spec=spec, drafters=[d])
+        out = [t for ch in gen for t in ch]
         pairs.append((out[0], out[1]))
-        n_drafted += e.stats.n_drafted
-        n_accepted += e.stats.n_accepted
-        assert e.stats.verify == "rejection"
+        n_drafted += gen.stats.n_drafted
+        n_accepted += gen.stats.n_accepted
+        assert gen.stats.verify == "rejection"
     assert 0 < n_accepted < n_drafted            # both branches taken
 
     # the plain model's own distribution of the second token: sum over t1 of p(t1) p(t2 | t1)

@@ -1,4 +1,4 @@
-"""Synthetic qwen35 + MTP models (gguf_spec.testmodel, kernels.quantize.build_test_model,
+"""Synthetic qwen35 + MTP models (gguf_spec.testmodel, kernels.testmodel.build_test_model,
 `specrun make-test-model`): every head x quant loads in llama.cpp and drafts through a real MTP
 context; the exact head agrees with the target at every position; the writer is deterministic."""
 
@@ -25,7 +25,9 @@ from specrun.gguf_spec.testmodel import (
     tokenizer_for,
     write_test_model,
 )
-from specrun.kernels.quantize import QuantizeError, build_test_model, check_mtp, tensor_types
+from specrun.kernels.check_mtp import check_mtp
+from specrun.kernels.quantize import QuantizeError, tensor_types
+from specrun.kernels.testmodel import build_test_model
 
 HEADS = ("exact", "noisy:0.1", "random")
 QUANTS = ("f32", "f16", "q8_0", "q4_k_m")

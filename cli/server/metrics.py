@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from .server_slots import Job, Outcome
+from .slots import Job, Outcome
 
 PREFIX = "specrun_"
 

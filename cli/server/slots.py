@@ -19,16 +19,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.kernels.engine import Engine, SpecParams, common_prefix
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import SpecParams
 from specrun.kernels.stats import GenStats
-from specrun.kernels.types import SamplingParams
+from specrun.kernels.types import SamplingParams, common_prefix
 
-from .run_cmd import TextStream
+from ..runtime.text import TextRun
 
 log = logging.getLogger(__name__)
 
-# GenStats.stop -> llama-server's stop_type
-_STOP_TYPE = {"eog": "eos", "n_predict": "limit", "ctx": "limit"}
+# Completion.stop -> llama-server's stop_type
+_STOP_TYPE = {"eog": "eos", "turn": "eos", "word": "word", "interrupted": "interrupted",
+              "n_predict": "limit", "ctx": "limit"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,7 @@ class Job:
     sampling: SamplingParams
     spec: SpecParams | None      # None: the server's --spec-* options
     stop: tuple[str, ...] = ()
+    stop_tokens: frozenset[int] = frozenset()   # a chat template's turn stops (chat requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,73 +58,19 @@ class Outcome:
         return {"eos": "stop", "word": "stop", "limit": "length"}.get(self.stop_type)
 
 
-class StopScanner:
-    """Text -> text with OpenAI's `stop`: the output ends before the first stop string, and a tail
-    that could still become one is held back until it is decided (llama-server's partial stop)."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.text = ""
-        self.sent = 0
-        self.hit: str | None = None
-
-    def push(self, s: str) -> str:
-        """Add text; return what can be sent now."""
-        if self.hit is not None:
-            return ""
-        self.text += s
-        found = [(i, w) for w in self.stops if (i := self.text.find(w, self.sent)) >= 0]
-        if found:
-            i, self.hit = min(found)
-            self.text = self.text[:i]
-            return self._release(i)
-        hold = 0
-        for w in self.stops:
-            for k in range(min(len(w) - 1, len(self.text) - self.sent), hold, -1):
-                if self.text.endswith(w[:k]):
-                    hold = k
-                    break
-        return self._release(len(self.text) - hold)
-
-    def flush(self) -> str:
-        return self._release(len(self.text))
-
-    def _release(self, end: int) -> str:
-        out = self.text[self.sent:end]
-        self.sent = end
-        return out
-
-
 def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: threading.Event) -> Outcome:
     """Run one job on one engine (in the slot's thread); emit(text) as it is decided."""
-    gen = engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec)
-    stream = TextStream(engine.model)
-    scan = StopScanner(job.stop)
-    tokens: list[int] = []
-    stop_type = None
+    run = TextRun(engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec), engine.model,
+                  stops=job.stop, stop_tokens=job.stop_tokens, cancel=cancel.is_set)
     try:
-        for toks in gen:
-            tokens.extend(toks)
-            if out := scan.push(stream.push(toks)):
-                emit(out)
-            if scan.hit is not None:
-                stop_type = "word"
-                break
-            if cancel.is_set():
-                stop_type = "interrupted"
-                break
+        for piece in run:
+            emit(piece)
     finally:
-        gen.close()
-    st = engine.stats
-    if stop_type is None:
-        out = scan.push(stream.flush())
-        if scan.hit is None:
-            out += scan.flush()
-        if out:
-            emit(out)
-        stop_type = "word" if scan.hit is not None else _STOP_TYPE.get(st.stop, "limit")
+        run.close()
+    c = run.result
+    st = c.stats
     cached = len(job.prompt) - st.n_prompt if st.n_gen else 0   # n_gen == 0: no prefill (n_predict 0)
-    return Outcome(scan.text, tokens, stop_type, scan.hit or "", cached, st)
+    return Outcome(c.text, c.tokens, _STOP_TYPE.get(c.stop, "limit"), c.stopping_word, cached, st)
 
 
 class Busy(Exception):

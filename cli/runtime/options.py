@@ -1,4 +1,6 @@
-"""Option bundles shared by run / chat / serve / bench, named as llama.cpp's common/arg.cpp."""
+"""Option bundles shared by run / chat / serve / bench, named as llama.cpp's common/arg.cpp, and
+the only place where their values become the kernels' parameters (engine_params, spec_params,
+sampling_params)."""
 
 from __future__ import annotations
 
@@ -6,15 +8,17 @@ import functools
 
 import click
 
-from specrun.kernels.engine import EngineParams, SpecParams, parse_spec_types
+from specrun.kernels.params import EngineParams, SpecParams, parse_spec_types
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
+
+AUTO = ("auto",)   # what --spec-type auto parses to; resolved after loading (runtime.auto)
 
 
 def _spec_type(ctx, param, value):
     if value is None:
         return ()
-    if value.strip() == "auto":   # resolved after loading, by cli/auto.resolve_auto
-        return ("auto",)
+    if value.strip() == "auto":
+        return AUTO
     try:
         return parse_spec_types(value)
     except Exception as e:  # SpecrunError: an unknown name
@@ -82,10 +86,18 @@ def sampling_options(f):
     return wrapper
 
 
-def engine_params(kw: dict) -> EngineParams:
-    spec = SpecParams(types=kw["spec_type"], n_max=kw["n_max"], n_min=kw["n_min"], p_min=kw["p_min"],
-                      ngram_size_n=kw["ngram_n"], ngram_size_m=kw["ngram_m"], ngram_min_hits=kw["ngram_hits"],
-                      verify=kw["verify"], adaptive=kw["adaptive"])
+def spec_params(kw: dict) -> SpecParams:
+    """The --spec-* options (those of spec_options; bench has its own subset). types may be AUTO."""
+    return SpecParams(types=kw.get("spec_type", ()), n_max=kw.get("n_max", 3), n_min=kw.get("n_min", 0),
+                      p_min=kw.get("p_min", 0.0), ngram_size_n=kw.get("ngram_n", 12),
+                      ngram_size_m=kw.get("ngram_m", 48), ngram_min_hits=kw.get("ngram_hits", 1),
+                      verify=kw.get("verify", "auto"), adaptive=kw.get("adaptive", False))
+
+
+def engine_params(kw: dict, spec: SpecParams | None = None) -> EngineParams:
+    """The model_options (and spec_options, unless spec is given) as EngineParams. The model
+    names are resolved to paths, and every check made, when the engine is opened (runtime.loading)."""
+    spec = spec_params(kw) if spec is None else spec
     if "draft-simple" in spec.types and not kw["model_draft"]:
         raise click.UsageError("--spec-type draft needs -md/--model-draft DRAFT.gguf")
     return EngineParams(n_ctx=kw["ctx_size"], n_batch=kw["batch_size"], n_threads=kw["threads"],

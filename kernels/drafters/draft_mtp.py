@@ -1,10 +1,10 @@
 """`draft-mtp`: the Multi-Token-Prediction heads stored in the GGUF draft for the model itself.
 
-Sequence as llama.cpp's common_speculative_impl_draft_mtp (see ../shared/MTP_NOTES.md):
+Sequence as llama.cpp's common_speculative_impl_draft_mtp (common/speculative.cpp):
   * The MTP row at position p carries token x_p and the target's hidden row h_{p-1} (its
     final-norm output); its logits predict x_{p+1}. h_{-1} is zeros.
-  * observe(): every target decode whose rows stay in the KV feeds the MTP context the same
-    positions, so its KV covers the whole sequence.
+  * accept(tp): every target pass (prompt chunks and verify passes) feeds the MTP context the
+    positions the target keeps, with their hidden rows, so the MTP KV covers the whole sequence.
   * propose(): from (id_last, n_past, h_{n_past-1}) chain the MTP's own hidden row through up to
     n_max steps, then drop the draft rows from the MTP KV again.
 """
@@ -15,64 +15,69 @@ import logging
 from typing import ClassVar
 
 import numpy as np
+from llama_cpp import llama_cpp_ext as X
 
 from specrun.gguf_spec.errors import SpecrunError
 
-from .draft_model import draft_token
-from .llama import Context, ContextParams, Model
-from .types import Draft, SamplingParams
+from ..llama import Context, ContextParams, Model
+from ..types import Draft, DraftOptions, TargetPass
+from .base import TargetView, draft_token
 
 log = logging.getLogger(__name__)
 
 
 class DraftMTP:
     spec_type: ClassVar[str] = "draft-mtp"
+    needs_hidden: ClassVar[bool] = True
 
-    def __init__(self, engine, heads_path: str | None = None) -> None:
-        self.p_min = engine.params.spec.p_min
+    def __init__(self, target: TargetView, heads_path: str | None = None) -> None:
+        """heads_path: an MTP-only GGUF (`specrun extract-mtp`); None: the target's own heads."""
         self._own_model = heads_path is not None
         if heads_path is not None:
-            self.model = Model(heads_path, exact=engine.params.exact, load_mtp=True)
+            self.model = Model(heads_path, exact=target.exact, load_mtp=True)
+            tm = target.model
+            why = None
             if self.model.n_layer_nextn <= 0:
+                why = "no MTP heads in this file; write one with `specrun extract-mtp MODEL.gguf -o HEADS.gguf`"
+            elif self.model.n_embd_out != tm.n_embd_out or self.model.n_vocab != tm.n_vocab:
+                why = (f"MTP heads of width {self.model.n_embd_out} / vocab {self.model.n_vocab} do not fit the "
+                       f"target ({tm.n_embd_out} / {tm.n_vocab}); extract the heads from this model's own GGUF")
+            if why:
                 self.model.close()
-                raise SpecrunError(f"{heads_path}: no MTP heads in this file; write one with "
-                                   "`specrun extract-mtp MODEL.gguf -o HEADS.gguf`")
-            if self.model.n_embd_out != engine.model.n_embd_out or self.model.n_vocab != engine.model.n_vocab:
-                self.model.close()
-                raise SpecrunError(f"{heads_path}: MTP heads of width {self.model.n_embd_out} / vocab "
-                                   f"{self.model.n_vocab} do not fit the target ({engine.model.n_embd_out} / "
-                                   f"{engine.model.n_vocab}); extract the heads from this model's own GGUF")
+                raise SpecrunError(f"{heads_path}: {why}")
         else:
-            self.model = engine.model
+            self.model = target.model
         self.n_heads = self.model.n_layer_nextn
-        self.ctx = Context(self.model, ContextParams(
-            n_ctx=engine.n_ctx, n_batch=engine.ctx.n_batch, n_threads=engine.params.n_threads,
-            mtp=True, nextn="outputs"), ctx_other=engine.ctx)
-        if self.n_heads > 1:
-            from llama_cpp import llama_cpp_ext as X
-            self._set_head = lambda i: X.llama_set_nextn_layer_offset(self.ctx.ptr, min(i, self.n_heads - 1))
-        else:
-            self._set_head = None
+        try:
+            self.ctx = Context(self.model, ContextParams(
+                n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=target.n_threads,
+                mtp=True, nextn="outputs"), ctx_other=target.ctx)
+        except BaseException:
+            if self._own_model:
+                self.model.close()
+            raise
         E = self.model.n_embd_out
-        self.H = np.zeros((engine.n_ctx + 1, E), dtype=np.float32)   # [n_ctx + 1, E]: H[p + 1] = h_p
+        self.H = np.zeros((target.n_ctx + 1, E), dtype=np.float32)   # [n_ctx + 1, E]: H[p + 1] = h_p
         self.fed: list[int] = []      # tokens in the MTP KV at positions 0..len-1
-        self.sampling: SamplingParams | None = None
+        self.opts = DraftOptions()
 
     def close(self) -> None:
         self.ctx.close()
         if self._own_model:
             self.model.close()
 
-    def n_synced(self) -> int:
-        """Positions whose MTP rows are in the MTP KV (the target may reuse at most these)."""
-        return len(self.fed)
+    def _head(self, i: int) -> None:
+        if self.n_heads > 1:
+            X.llama_set_nextn_layer_offset(self.ctx.ptr, min(i, self.n_heads - 1))
 
-    def begin(self, prompt: np.ndarray) -> None:
-        pass  # positions are synchronised in observe()
+    def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
+        """The target may reuse only the positions whose MTP rows are in the MTP KV."""
+        self.opts = opts
+        return min(n_keep, len(self.fed))
 
-    def observe(self, tp, n_keep: int) -> None:
-        """The target decoded tp.tokens at tp.pos0..; its first n_keep rows stay in the KV."""
-        p0 = tp.pos0
+    def accept(self, tp: TargetPass) -> None:
+        """The target decoded tp.tokens at tp.pos0.. and keeps the first tp.n_keep rows."""
+        p0, n_keep = tp.pos0, tp.n_keep
         if p0 < len(self.fed):
             if not self.ctx.seq_rm(p0, -1):
                 raise SpecrunError(f"MTP context could not roll back to {p0} tokens")
@@ -86,24 +91,22 @@ class DraftMTP:
         toks = tp.tokens[:n_keep]
         for s in range(0, n_keep, self.ctx.n_batch):
             n = min(self.ctx.n_batch, n_keep - s)
-            if self._set_head:
-                self._set_head(0)
+            self._head(0)
             self.ctx.decode_with_hidden(toks[s:s + n], p0 + s, self.H[p0 + s: p0 + s + n], logits="none")
         self.fed.extend(int(t) for t in toks)
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         n_past = len(ctx) - 1                    # position of id_last
-        if len(self.fed) != n_past or n_past + n_max >= self.ctx.n_ctx:
+        if n_max <= 0 or len(self.fed) != n_past or n_past + n_max >= self.ctx.n_ctx:
             return Draft.empty()
         tok = int(ctx[-1])
         h = self.H[n_past: n_past + 1]           # h_{n_past - 1}, [1, E]
         toks: list[int] = []
         qs: list[np.ndarray] = []
         for i in range(n_max):
-            if self._set_head:
-                self._set_head(i)
+            self._head(i)
             self.ctx.decode_with_hidden([tok], n_past + i, h, logits="last")
-            tok, q = draft_token(self.ctx.logits_rows()[0], self.sampling, self.p_min, n_past + 1 + i)
+            tok, q = draft_token(self.ctx.logits_rows()[0], self.opts.sampling, self.opts.p_min, n_past + 1 + i)
             if tok is None:
                 break
             if q is not None:
@@ -113,6 +116,3 @@ class DraftMTP:
         if not self.ctx.seq_rm(n_past, -1):
             raise SpecrunError(f"MTP context could not drop its draft rows after position {n_past}")
         return Draft(np.asarray(toks, dtype=np.int32), np.stack(qs) if qs else None)
-
-    def accept(self, n_accepted: int, emitted: np.ndarray) -> None:
-        pass  # the kept rows arrive through observe()

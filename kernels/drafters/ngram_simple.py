@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .types import Draft
+from ..types import Draft, DraftOptions, TargetPass
 
 # llama.cpp common.h, common_params_speculative_ngram_map
 SIZE_N_DEFAULT = 12
@@ -52,6 +52,7 @@ class NgramSimple:
     """
 
     spec_type: ClassVar[str] = "ngram-simple"
+    needs_hidden: ClassVar[bool] = False
 
     def __init__(self, size_n: int = SIZE_N_DEFAULT, size_m: int = SIZE_M_DEFAULT, min_hits: int = MIN_HITS_DEFAULT):
         if size_n < 1 or size_m < 1:
@@ -62,11 +63,11 @@ class NgramSimple:
         self._seen = np.zeros(0, dtype=np.int32)  # int32 [n_seen]: the ctx the index covers
         self._index: dict[bytes, list[int]] = {}
 
-    def begin(self, prompt: np.ndarray) -> None:
-        """A new sequence: forget the old history and index `prompt`."""
-        self._seen = np.zeros(0, dtype=np.int32)
-        self._index = {}
+    def begin(self, prompt: np.ndarray, n_keep: int = 0, opts: DraftOptions | None = None) -> int:
+        """A new sequence: index `prompt` (keeping the index of a prefix it extends). No model
+        state, so any reuse of the target's KV suits it."""
         self._sync(np.asarray(prompt, dtype=np.int32))
+        return n_keep
 
     def _sync(self, ctx: np.ndarray) -> None:
         """Make the index cover every n-gram start j (j + n <= len(ctx)) of ctx int32 [L]."""
@@ -104,5 +105,8 @@ class NgramSimple:
         begin = match_pos + n
         return Draft(ctx[begin : begin + min(copy_max, n_max)].copy(), None)
 
-    def accept(self, n_accepted: int, emitted: np.ndarray) -> None:
-        """No state to roll back: the history arrives with the next propose() (llama.cpp: noop)."""
+    def accept(self, tp: TargetPass) -> None:
+        """Nothing to roll back: the history arrives with the next propose() (llama.cpp: a no-op)."""
+
+    def close(self) -> None:
+        """No native resources."""

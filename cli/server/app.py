@@ -35,12 +35,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specrun.gguf_spec.errors import SpecrunError
-from specrun.kernels.chat_template import ChatTemplate
-from specrun.kernels.engine import SpecParams, parse_spec_types
+from specrun.kernels.params import SpecParams, parse_spec_types
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
-from .server_metrics import Metrics
-from .server_schemas import (
+from ..runtime.chat import ChatFormat
+from .metrics import Metrics
+from .schemas import (
     ChatCompletion,
     ChatRequest,
     Completion,
@@ -52,7 +52,7 @@ from .server_schemas import (
     ModelList,
     Speculative,
 )
-from .server_slots import Busy, Job, Outcome, Run, SlotPool
+from .slots import Busy, Job, Outcome, Run, SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ServerConfig:
     spec_types: tuple[str, ...]     # what a request may name in speculative.type ("none" included)
     max_queue: int
     api_key: str | None = None
-    chat_template: ChatTemplate | None = None
+    chat_format: ChatFormat | None = None     # the chat template bound to the model (chat requests)
     no_template_reason: str = ""
 
 
@@ -154,17 +154,21 @@ class ServerState:
                            "shorten it or restart the server with a larger -c", "context_length_exceeded")
         return toks
 
-    def job(self, endpoint: str, req, prompt, n_predict: int | None, stop) -> Job:
+    def job(self, endpoint: str, req, prompt, n_predict: int | None, stop,
+            stop_tokens: frozenset[int] = frozenset()) -> Job:
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if len(stop) > 4:
             raise ApiError(400, f"stop: at most 4 stop strings (got {len(stop)})", "invalid_value")
         if any(not s for s in stop):
             raise ApiError(400, "stop: a stop string is empty", "invalid_value")
         return Job(endpoint, np.asarray(prompt, dtype=np.int32), self.n_predict(n_predict), self.sampling(req),
-                   self.spec(req.speculative), stop)
+                   self.spec(req.speculative), stop, stop_tokens)
 
     def chat_prompt(self, req: ChatRequest):
-        if self.config.chat_template is None:
+        """The prompt tokens of a chat request: the conversation through the model's chat template
+        (runtime.chat.ChatFormat, as the REPL renders it)."""
+        fmt = self.config.chat_format
+        if fmt is None:
             raise ApiError(400, f"this server has no chat template: {self.config.no_template_reason}; "
                            "use /v1/completions", "no_chat_template")
         messages = []
@@ -172,11 +176,10 @@ class ServerState:
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         try:
-            text = self.config.chat_template.render(messages, add_generation_prompt=True)
+            text = fmt.render(messages)
         except SpecrunError as e:
             raise ApiError(400, f"messages: {e}", "invalid_value") from None
-        bos = self.model.token_text(self.model.bos) if self.model.add_bos else ""
-        return self.tokens(text, add_special=not (bos and text.startswith(bos)))
+        return self.tokens(fmt.tokenize(text))
 
     async def start(self, job: Job) -> Run:
         try:
@@ -400,7 +403,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_sse_doc(ChatCompletion), summary="OpenAI chat completion")
     async def chat_completions(req: ChatRequest, request: Request):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = state.job("/v1/chat/completions", req, state.chat_prompt(req), max_tokens, req.stop)
+        job = state.job("/v1/chat/completions", req, state.chat_prompt(req), max_tokens, req.stop,
+                        cfg.chat_format.stop_tokens)
         run = await state.start(job)
         cid, created = oai_id("chatcmpl"), int(time.time())
         head = {"id": cid, "object": "chat.completion", "created": created, "model": cfg.alias}
@@ -427,7 +431,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def models():
         meta = {"n_ctx": state.n_ctx, "n_ctx_train": state.model.n_ctx_train, "n_vocab": state.model.n_vocab,
                 "slots": len(state.pool.slots), "spec_type": list(cfg.spec.types) or ["none"],
-                "spec_types_available": list(cfg.spec_types), "chat_template": cfg.chat_template is not None}
+                "spec_types_available": list(cfg.spec_types), "chat_template": cfg.chat_format is not None}
         return {"object": "list", "data": [{"id": cfg.alias, "object": "model", "created": state.created,
                                             "owned_by": "specrun", "meta": meta}]}
 

@@ -1,0 +1,223 @@
+"""The chat REPL of `specrun chat` (and `specrun -m MODEL -cnv`), as llama-cli's conversation
+mode, `ollama run` or `llm chat`: line editing and history on a terminal, plain lines when piped,
+slash commands, Ctrl-C that stops an answer and keeps the session. The conversation itself is
+runtime.chat.ChatSession."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from specrun.gguf_spec.errors import SpecrunError
+
+from .runtime.auto import resolve_auto
+from .runtime.chat import ChatFormat, ChatSession, Turn
+from .runtime.console import err_console, setup_logging
+from .runtime.loading import open_engine
+from .runtime.options import AUTO, engine_params, sampling_params
+
+HELP = """\
+/help          this list
+/stats         statistics of the last answer and of the session
+/spec TYPE     switch the speculative decoding type (none, ngram-simple, draft, draft-mtp; comma-separated)
+/reset         forget the conversation (keeps the system prompt)
+/save FILE     write the conversation as JSON
+/load FILE     replace the conversation with one saved by /save
+/exit          leave (also Ctrl-D)
+A line that ends with \\ continues on the next line. Ctrl-C stops an answer."""
+
+
+def history_path() -> Path:
+    """$SPECRUN_HISTORY, else $XDG_STATE_HOME/specrun/chat_history (~/.local/state/...)."""
+    if env := os.environ.get("SPECRUN_HISTORY"):
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "specrun" / "chat_history"
+
+
+class LineReader:
+    """Input lines: prompt_toolkit (editing, history across sessions, pastes) on a terminal,
+    plain lines otherwise. read() joins lines that end with a backslash; None at end of input."""
+
+    def __init__(self, interactive: bool) -> None:
+        self.session = None
+        if interactive:
+            from prompt_toolkit import PromptSession
+            from prompt_toolkit.history import FileHistory, InMemoryHistory
+            from prompt_toolkit.output import create_output
+
+            path = history_path()
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+                history = FileHistory(str(path))
+            except OSError as e:
+                _say(f"no input history: cannot write {path} ({e.strerror})", style="dim")
+                history = InMemoryHistory()
+            # the prompt is interface, not generated text: it goes where stderr goes when that is a terminal
+            out = create_output(stdout=sys.stderr if sys.stderr.isatty() else sys.stdout)
+            self.session = PromptSession(history=history, output=out)
+
+    def _line(self, prompt: str) -> str | None:
+        if self.session is None:
+            line = sys.stdin.readline()
+            return line.rstrip("\n") if line else None
+        while True:
+            try:
+                return self.session.prompt(prompt)
+            except KeyboardInterrupt:       # Ctrl-C at the prompt clears the line
+                continue
+            except EOFError:
+                return None
+
+    def read(self) -> str | None:
+        lines: list[str] = []
+        while True:
+            line = self._line("> " if not lines else "... ")
+            if line is None:
+                return "\n".join(lines) if lines else None
+            if line.endswith("\\"):
+                lines.append(line[:-1])
+                continue
+            lines.append(line)
+            return "\n".join(lines)
+
+
+class _SoftInterrupt:
+    """During an answer, the first Ctrl-C sets a flag (the answer stops at the next accepted
+    tokens, with the engine in a clean state); a second one raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.hit = 0
+
+    def _handler(self, signum, frame) -> None:
+        self.hit += 1
+        if self.hit > 1:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _SoftInterrupt:
+        self._prev = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._prev)
+
+
+def turn_line(turn: Turn) -> str:
+    """The short line after each answer."""
+    st = turn.stats
+    parts = [f"{st.n_gen} tokens, {st.gen_tps:.1f} tokens/s",
+             f"prompt {st.n_prompt} new + {st.n_prompt_total - st.n_prompt} cached"]
+    for d in st.drafters:
+        if d.n_gen_drafts:
+            parts.append(f"{d.spec_type}: accepted {d.n_acc_tokens}/{d.n_gen_tokens}, "
+                         f"mean acc len {d.mean_acc_len:.2f}")
+    if turn.stop not in ("eog", "turn"):
+        parts.append({"n_predict": "stopped at -n", "ctx": "context full",
+                      "interrupted": "interrupted"}.get(turn.stop, turn.stop))
+    return "[" + " | ".join(parts) + "]"
+
+
+def _say(text: str, style: str | None = None) -> None:
+    """One status line on stderr, never re-wrapped (it may be read by a program)."""
+    err_console.print(text, style=style, markup=False, soft_wrap=True)
+
+
+def _command(session: ChatSession, line: str) -> bool:
+    """Run a slash command; False when the session should end."""
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if name in ("/exit", "/quit", "/bye"):
+        return False
+    if name == "/help":
+        _say(HELP)
+    elif name == "/stats":
+        if session.last is not None:
+            _say("last answer:")
+            for s in session.last.stats.lines():
+                _say("  " + s)
+        for s in session.stats.lines():
+            _say(s)
+    elif name == "/spec":
+        if not arg:
+            _say(f"spec type: {','.join(session.engine.params.spec.types) or 'none'}")
+        else:
+            _say(f"spec type: {session.set_spec(arg)}")
+    elif name == "/reset":
+        session.reset()
+        _say("conversation cleared")
+    elif name in ("/save", "/load"):
+        if not arg:
+            raise SpecrunError(f"{name} needs a file name: {name} FILE")
+        if name == "/save":
+            session.save(arg)
+            _say(f"saved {len(session.messages)} messages to {arg}")
+        else:
+            n = session.load(arg)
+            _say(f"loaded {n} messages from {arg}")
+    else:
+        raise SpecrunError(f"unknown command {name}; /help lists the commands")
+    return True
+
+
+def _answer(session: ChatSession, text: str, quiet: bool) -> None:
+    before = session.last
+    with _SoftInterrupt() as intr:
+        it = session.send(text)
+        try:
+            for piece in it:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                if intr.hit:
+                    break
+        except KeyboardInterrupt:
+            it.close()
+            session.recover()
+        finally:
+            it.close()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    turn = session.last
+    if turn is None or turn is before:
+        return
+    if turn.n_dropped:
+        _say(f"context full: dropped the oldest {turn.n_dropped} turn(s) to make room; /reset starts over",
+             style="yellow")
+    if turn.stop == "ctx":
+        _say(f"the context is full ({session.engine.n_ctx} tokens): the next message drops the oldest "
+             "turns; /reset starts over (or raise -c)", style="yellow")
+    if not quiet:
+        _say(turn_line(turn), style="dim")
+
+
+def chat_loop(kw: dict, system_prompt: str | None, chat_template: str | None, quiet: bool) -> None:
+    """The REPL of `specrun chat` and `specrun -cnv`; kw: the command's model/spec/sampling options."""
+    setup_logging(kw["verbose"])
+    sampling = sampling_params(kw)
+    params = engine_params(kw)
+    interactive = sys.stdin.isatty()
+    with open_engine(kw["model"], params) as engine:
+        if params.spec.types == AUTO:
+            engine.set_spec(resolve_auto(engine, params.spec))
+        fmt = ChatFormat.load(engine.model, chat_template)
+        session = ChatSession(engine, fmt, sampling, kw["n_predict"], system_prompt)
+        reader = LineReader(interactive)
+        if interactive and not quiet:
+            _say(f"chatting with {Path(engine.model.path).name}; /help for commands, Ctrl-D or /exit to leave",
+                 style="dim")
+        while True:
+            line = reader.read()
+            if line is None:
+                break
+            if not line.strip():
+                continue
+            try:
+                if line.startswith("/"):
+                    if not _command(session, line):
+                        break
+                else:
+                    _answer(session, line, quiet)
+            except SpecrunError as e:        # one line; the session goes on
+                _say(f"error: {e}", style="red")

@@ -1,0 +1,57 @@
+"""`--spec-type auto`: choose the spec type and draft length for this model on this machine.
+
+The engine is opened with every spec type the files allow (loading.available_types), then
+resolve_auto() runs kernels.calibrate on it (a few seconds: the verify-cost curve and short greedy
+probes of the prompt) and returns the SpecParams to generate with; the reason goes to stderr as
+one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from specrun.kernels.calibrate import Choice, calibrate, n_steps
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import SpecParams
+
+from .console import err_console
+from .prompts import PROMPTS
+
+# candidate draft lengths: model drafters pay a decode per drafted token; n-gram drafts are
+# copies of 12..48 tokens (size_n..size_m) cut to n_max, so only longer n_max matter there
+AUTO_N_MAX = {"draft-mtp": (1, 2, 3, 4, 6, 8), "draft-simple": (1, 2, 3, 4, 6, 8), "ngram-simple": (2, 4, 8, 16)}
+
+
+def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
+    """Single-type candidates for what the engine has loaded, with base's other settings."""
+    types = ["ngram-simple"]
+    if "draft-simple" in engine.params.spec.types:
+        types.append("draft-simple")
+    if engine.mtp_enabled:
+        types.append("draft-mtp")
+    return [replace(base, types=(t,), n_max=k, adaptive=False)
+            for t in types for k in AUTO_N_MAX[t] if k <= engine.n_max_cap]
+
+
+def calibrate_with_progress(engine: Engine, prompt_tokens, candidates: list[SpecParams], **opts) -> Choice:
+    """calibrate() with a transient progress bar on stderr."""
+    total = n_steps(candidates, opts.get("reps", 3), opts.get("verify_reps", 5))
+    with Progress(TextColumn("calibrating spec auto: {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=err_console, transient=True) as progress:
+        task = progress.add_task("", total=total)
+        return calibrate(engine, prompt_tokens, candidates,
+                         on_step=lambda what: progress.update(task, advance=1, description=what), **opts)
+
+
+def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None) -> SpecParams:
+    """The SpecParams that `--spec-type auto` stands for on this engine and prompt (None: a
+    built-in free-text prompt, for chat and serve). Prints the choice and its reason on stderr.
+    base: the command's --spec-* options (ngram sizes, p-min, verify... are kept; --spec-draft-adaptive
+    applies to the chosen setting, the calibration itself runs without it)."""
+    if prompt_tokens is None or len(prompt_tokens) == 0:
+        prompt_tokens = engine.tokenize(PROMPTS["free"])
+    choice = calibrate_with_progress(engine, prompt_tokens, auto_candidates(engine, replace(base, adaptive=False)))
+    err_console.print(f"spec auto: {choice.reason}", markup=False, soft_wrap=True)
+    return replace(choice.spec, adaptive=base.adaptive and bool(choice.spec.types))

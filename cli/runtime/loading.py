@@ -1,0 +1,89 @@
+"""Options -> engines: the one path from a front end's EngineParams to loaded llama.cpp engines.
+
+Every check happens here, once, for run, chat, serve and bench alike: model names resolve to
+files (registry names are assembled on first use), each GGUF is read by gguf_spec first (a precise
+one-line error for a file llama.cpp would only call unloadable), an MTP-only file is refused as
+the main model, `--spec-type auto` becomes every type the files allow, and the exact-mode caveat
+for F16/F32 weights is attached for the stats line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from specrun.gguf_spec.errors import SpecrunError
+from specrun.gguf_spec.spec import ModelSpec, load_spec
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import EngineParams
+
+from .console import err_console, resolve
+from .options import AUTO
+
+
+def available_types(model_path: str | os.PathLike, draft_path: str | os.PathLike | None) -> tuple[str, ...]:
+    """The spec types these files allow, in llama.cpp's order: ngram-simple always; draft-mtp when
+    the model (or -md, a heads-only file) has MTP heads; draft-simple when -md is a whole model."""
+    types = ["ngram-simple"]
+    if draft_path:
+        d = load_spec(draft_path)
+        if d.has_trunk:
+            types.append("draft-simple")
+        elif d.has_mtp:
+            types.append("draft-mtp")
+    if "draft-mtp" not in types and load_spec(model_path).has_mtp:
+        types.append("draft-mtp")
+    return tuple(types)
+
+
+def float_weight_caveat(spec: ModelSpec) -> str | None:
+    """Exact mode cannot make F16/F32 matmuls batch-invariant (llama.cpp's tinyBLAS path for >= 2 rows
+    has no run-time switch): say so when the model multiplies by such weights."""
+    names = {t.name for t in spec.tensors}
+    tied = "output.weight" not in names                       # the lm_head is then token_embd
+    mtp = {t.name for b in spec.mtp_blocks for t in b.tensors}  # drafting only, not the verify pass
+    mats = [t for t in spec.tensors if len(t.shape) >= 2 and t.type in ("F16", "F32", "BF16")
+            and (tied or not t.name.startswith("token_embd")) and "conv1d" not in t.name and t.name not in mtp]
+    if not mats:
+        return None
+    return (f"{len(mats)} weight matrices are {mats[0].type}, so verify logits may differ from one-token "
+            "decoding by rounding (`specrun check-exact` measures it); quantized weights are bit-exact")
+
+
+def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
+    """Resolve and check the files of model (a registry name or a path) and params.draft_model;
+    returns the model's path and the params to build engines with (paths resolved, auto expanded
+    to the available types, the exact-mode caveat set). Raises SpecrunError, one line."""
+    path = resolve(model)
+    spec = load_spec(path)
+    if spec.has_mtp and not spec.has_trunk:
+        raise SpecrunError(f"{path} holds only MTP heads (no trunk), so it cannot be the main model; "
+                           f"use it as -md {path.name} beside the model it was extracted from")
+    if params.draft_model:
+        params = replace(params, draft_model=str(resolve(params.draft_model)))
+        load_spec(params.draft_model)
+    if params.spec.types == AUTO:
+        params = replace(params, spec=replace(params.spec, types=available_types(path, params.draft_model)))
+    return path, replace(params, exact_caveat=float_weight_caveat(spec) if params.exact else None)
+
+
+def open_engines(model: str, params: EngineParams, n: int = 1) -> list[Engine]:
+    """n engines over one loaded model (the first owns it; server slots share it), with a transient
+    status line on stderr. See prepare() for the checks."""
+    path, params = prepare(model, params)
+    label = f"loading {path.name}" + (f" ({n} slots)" if n > 1 else "")
+    with err_console.status(label, spinner="dots"):
+        engines = [Engine(str(path), params)]
+        try:
+            for _ in range(n - 1):
+                engines.append(Engine(str(path), params, model=engines[0].model))
+        except BaseException:
+            for e in reversed(engines):
+                e.close()
+            raise
+    return engines
+
+
+def open_engine(model: str, params: EngineParams) -> Engine:
+    return open_engines(model, params, 1)[0]

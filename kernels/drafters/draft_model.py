@@ -1,0 +1,92 @@
+"""`draft-simple` (alias `draft`): a second, smaller GGUF drafts in its own context.
+
+propose(ctx, n_max): bring the draft KV to ctx (reusing the common prefix, rolling back what the
+target rejected), then draft up to n_max tokens one at a time: greedy top-1, stopping when its
+probability is below p_min; or, for rejection verification at temperature > 0, sampled from the
+draft distribution q (kept in Draft.probs).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import numpy as np
+
+from specrun.gguf_spec.compat import check_draft_compatible
+from specrun.gguf_spec.errors import IncompatibleDraft
+from specrun.gguf_spec.spec import load_spec
+
+from ..llama import Context, ContextParams, Model
+from ..types import Draft, DraftOptions, TargetPass, common_prefix
+from .base import TargetView, draft_token
+
+log = logging.getLogger(__name__)
+
+
+class DraftModel:
+    spec_type: ClassVar[str] = "draft-simple"
+    needs_hidden: ClassVar[bool] = False
+
+    def __init__(self, target: TargetView, path: str) -> None:
+        compat = check_draft_compatible(load_spec(target.model.path), load_spec(path))
+        if not compat.ok:
+            raise IncompatibleDraft(f"draft model {path} cannot draft for {target.model.path}: {compat.reason}")
+        self.model = Model(path, exact=target.exact)
+        if self.model.n_vocab > target.model.n_vocab:
+            log.info("draft vocab %d > target %d: draft tokens beyond the target's are never proposed",
+                     self.model.n_vocab, target.model.n_vocab)
+        self.n_vocab_target = target.model.n_vocab
+        try:
+            self.ctx = Context(self.model, ContextParams(n_ctx=target.n_ctx, n_batch=target.n_batch,
+                                                         n_threads=target.n_threads))
+        except BaseException:
+            self.model.close()
+            raise
+        self.kv: list[int] = []            # tokens in the draft KV at positions 0..len-1
+        self.opts = DraftOptions()
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+    def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
+        """The draft KV is brought to the context lazily, in propose(): any prefix will do."""
+        self.opts = opts
+        return n_keep
+
+    def _sync(self, ctx: np.ndarray) -> None:
+        """Make the draft KV hold ctx[:-1] and decode ctx[-1] (id_last) with logits."""
+        keep = self.ctx.keep_prefix(min(common_prefix(self.kv, ctx), len(ctx) - 1), len(self.kv))
+        del self.kv[keep:]
+        self.ctx.decode_chunks(ctx[keep:], keep)
+        self.kv.extend(int(t) for t in ctx[keep:])
+
+    def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
+        if n_max <= 0 or len(ctx) + n_max >= self.ctx.n_ctx:
+            return Draft.empty()
+        self._sync(ctx)
+        toks: list[int] = []
+        qs: list[np.ndarray] = []
+        pos = len(ctx)  # position of the first drafted token
+        while True:
+            lg = self.ctx.logits_rows()[-1][: self.n_vocab_target]
+            tok, q = draft_token(lg, self.opts.sampling, self.opts.p_min, pos + len(toks))
+            if tok is None:
+                break
+            if q is not None:
+                qs.append(q)
+            toks.append(tok)
+            if len(toks) >= n_max:
+                break
+            self.ctx.decode([tok], pos + len(toks) - 1, "last")
+            self.kv.append(tok)
+        return Draft(np.asarray(toks, dtype=np.int32), np.stack(qs) if qs else None)
+
+    def accept(self, tp: TargetPass) -> None:
+        """Forget the drafted tokens the target rejected, so the next propose() re-syncs from the
+        last accepted one (llama.cpp's draft-simple does the same through its prompt cache)."""
+        end = tp.pos0 + tp.n_keep
+        if len(self.kv) > end and self.kv[tp.pos0:end] == [int(t) for t in tp.tokens[:tp.n_keep]]:
+            self.ctx.keep_prefix(end, len(self.kv))
+            del self.kv[end:]
