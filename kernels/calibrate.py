@@ -337,21 +337,19 @@ def probe(engine, prompt_tokens: Sequence[int], drafter_specs: Sequence[SpecPara
     return t1, out
 
 
-def calibrate(engine, prompt_tokens: Sequence[int], candidates: Sequence[SpecParams], *, n_probe: int = 32,
-              reps: int = 3, verify_reps: int = 5, margin: float = MARGIN,
-              on_step: Progress | None = None) -> Choice:
-    """Measure this machine and model, then choose among candidates (single-type SpecParams;
-    `none` is always the fallback). The engine must have been created able to run every
-    candidate (draft-mtp needs the MTP heads loaded). Leaves the engine's KV empty.
+def measure(engine, prompt_tokens: Sequence[int], candidates: Sequence[SpecParams], *, n_probe: int = 32,
+            reps: int = 3, verify_reps: int = 5, on_step: Progress | None = None) -> Costs:
+    """Measure this machine and model for the candidates' drafters: the verify-cost curve, T1,
+    and each drafter's probes with its fitted costs. The engine must have been created able to run
+    every candidate (draft-mtp needs the MTP heads loaded). Leaves the engine's KV empty.
 
     Steps: verify_reps + 1 verify-cost rounds, then reps x (1 + 2 per drafter) probes of n_probe tokens."""
     prompt = np.asarray(prompt_tokens, dtype=np.int32)
     if len(prompt) == 0:
         raise CalibrationError("the calibration prompt is empty")
     groups = _groups(candidates)
-    base = candidates[0] if candidates else SpecParams()
     if not groups:
-        return choose(Costs(VerifyCost((1,), (0.0,), (0.0,), (0.0,)), 0.0, ()), [], margin, base)
+        return Costs(VerifyCost((1,), (0.0,), (0.0,), (0.0,)), 0.0, ())
     k_max = max(g.n_max for g in groups)
     n_probe = min(n_probe, engine.n_ctx - len(prompt) - 2 * k_max - 3)
     if n_probe < 4:
@@ -359,11 +357,18 @@ def calibrate(engine, prompt_tokens: Sequence[int], candidates: Sequence[SpecPar
                                f"{len(prompt)}-token prompt; raise -c")
     verify = measure_verify_cost(engine, prompt, rows=sorted({*VERIFY_ROWS, k_max + 1}), reps=verify_reps,
                                  on_step=on_step)
-    specs = groups
-    t1, probes = probe(engine, prompt, specs, n_probe, reps, on_step)
+    t1, probes = probe(engine, prompt, groups, n_probe, reps, on_step)
     engine.reset()
-    costs = Costs(verify, t1, tuple(fit_drafter(s, p, verify, t1) for s, p in zip(specs, probes, strict=True)))
-    choice = choose(costs, candidates, margin, base)
+    return Costs(verify, t1, tuple(fit_drafter(s, p, verify, t1) for s, p in zip(groups, probes, strict=True)))
+
+
+def calibrate(engine, prompt_tokens: Sequence[int], candidates: Sequence[SpecParams], *, margin: float = MARGIN,
+              measure: Callable[..., Costs] = measure, **opts) -> Choice:
+    """Choose among candidates (single-type SpecParams; `none` is always the fallback) from the
+    costs measure() takes on this engine (opts: its n_probe, reps, verify_reps, on_step). A test
+    may pass its own measure, e.g. the live probes' acceptance with injected timings."""
+    costs = measure(engine, prompt_tokens, candidates, **opts)
+    choice = choose(costs, candidates, margin, candidates[0] if candidates else SpecParams())
     log.info("calibration: %s", choice.reason)
     return choice
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from specrun.kernels.calibrate import Choice, calibrate, n_steps
+from specrun.kernels.calibrate import Choice, calibrate, measure, n_steps
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import SpecParams
 
@@ -45,13 +45,15 @@ def calibrate_with_progress(engine: Engine, prompt_tokens, candidates: list[Spec
                          on_step=lambda what: progress.update(task, advance=1, description=what), **opts)
 
 
-def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None) -> SpecParams:
+def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measure=measure) -> SpecParams:
     """The SpecParams that `--spec-type auto` stands for on this engine and prompt (None: a
     built-in free-text prompt, for chat and serve). Prints the choice and its reason on stderr.
     base: the command's --spec-* options (ngram sizes, p-min, verify... are kept; --spec-draft-adaptive
-    applies to the chosen setting, the calibration itself runs without it)."""
+    applies to the chosen setting, the calibration itself runs without it). measure: kernels.calibrate's,
+    or a test's with injected timings."""
     if prompt_tokens is None or len(prompt_tokens) == 0:
         prompt_tokens = engine.tokenize(PROMPTS["free"])
-    choice = calibrate_with_progress(engine, prompt_tokens, auto_candidates(engine, replace(base, adaptive=False)))
+    choice = calibrate_with_progress(engine, prompt_tokens, auto_candidates(engine, replace(base, adaptive=False)),
+                                     measure=measure)
     err_console.print(f"spec auto: {choice.reason}", markup=False, soft_wrap=True)
     return replace(choice.spec, adaptive=base.adaptive and bool(choice.spec.types))

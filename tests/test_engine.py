@@ -1,0 +1,127 @@
+"""The engine's contracts, seen from outside: the drafter lifecycle it drives (begin, then every
+target pass through accept() with what the target kept), cancellation between prompt chunks,
+the draft-length cap, and llama.cpp's log under -v."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from specrun.gguf_spec.errors import SpecrunError
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.types import Draft, DraftOptions, SamplingParams, TargetPass
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temp=0.0)
+
+
+class Recorder:
+    """Proposes the target's own greedy continuation from a reference (right for `n_right`
+    tokens, then wrong), and records every call the engine makes."""
+
+    spec_type = "recorder"
+    needs_hidden = False
+
+    def __init__(self, reference: list[int], n_prompt: int, n_right: int) -> None:
+        self.reference, self.n_prompt, self.n_right = reference, n_prompt, n_right
+        self.calls: list[tuple] = []
+
+    def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
+        self.calls.append(("begin", len(prompt), n_keep))
+        return n_keep
+
+    def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
+        i = len(ctx) - self.n_prompt
+        toks = list(self.reference[i:i + n_max])
+        for j in range(self.n_right, len(toks)):
+            toks[j] = (toks[j] + 1) % 1000
+        self.calls.append(("propose", len(ctx), n_max, len(toks)))
+        return Draft(np.asarray(toks, dtype=np.int32), None)
+
+    def accept(self, tp: TargetPass) -> None:
+        self.calls.append(("accept", tp.pos0, len(tp.tokens), tp.n_keep))
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_path):
+    with Engine(str(smollm_path), EngineParams(n_ctx=2048, n_batch=2048)) as e:
+        yield e
+
+
+def test_lifecycle_begin_then_every_pass_through_accept(engine):
+    prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+    engine.reset()
+    plain = [t for ch in engine.generate(prompt, 12, GREEDY, spec=SpecParams()) for t in ch]
+    engine.reset()
+    rec = Recorder(plain, len(prompt), n_right=2)
+    gen = engine.generate(prompt, 12, GREEDY, spec=SpecParams(n_max=3), drafters=[rec])
+    out = [t for ch in gen for t in ch]
+    assert out == plain
+    n = len(prompt)
+    assert rec.calls[0] == ("begin", n, 0)                 # an empty cache: nothing to keep
+    assert rec.calls[1] == ("accept", 0, n, n)             # the prompt, one chunk, all kept
+    # then: propose 3 (2 right, 1 wrong) -> a 4-row pass that keeps id_last + 2 accepted + nothing more
+    assert rec.calls[2] == ("propose", n + 1, 3, 3)
+    assert rec.calls[3] == ("accept", n, 4, 3)
+    passes = [c for c in rec.calls if c[0] == "accept"][1:]
+    assert len(passes) == gen.stats.n_target_passes
+    assert all(keep == 3 for _, _, rows, keep in passes if rows == 4)   # 2 accepted + the recovered token
+    pos = [p for _, p, _, _ in passes]
+    proposed = [k for c in rec.calls if c[0] == "propose" for k in c[3:]]
+    assert pos == sorted(pos) and gen.stats.n_accepted == sum(min(2, k) for k in proposed)
+
+
+def test_second_generation_reuses_the_cache_and_says_so_to_begin(engine):
+    prompt = engine.tokenize("One two three four five six seven eight nine ten")
+    engine.reset()
+    first = [t for ch in engine.generate(prompt, 4, GREEDY, spec=SpecParams()) for t in ch]
+    rec = Recorder(first, len(prompt), n_right=0)
+    longer = np.concatenate([prompt, np.asarray(first[:3], dtype=np.int32)])
+    gen = engine.generate(longer, 2, GREEDY, spec=SpecParams(n_max=1), drafters=[rec])
+    list(gen)
+    assert rec.calls[0] == ("begin", len(longer), len(prompt) + 2)   # the KV held prompt + 3 emitted - 1 decoded
+    assert gen.stats.n_prompt == 1
+
+
+def test_cancel_stops_a_long_prompt_between_chunks(engine):
+    prompt = engine.tokenize("alpha beta gamma delta " * 400)[:1500]
+    assert len(prompt) > 2 * 512
+    engine.reset()
+    polls = []
+
+    def cancel() -> bool:
+        polls.append(len(engine.kv_tokens))
+        return len(polls) >= 2
+
+    gen = engine.generate(prompt, 8, GREEDY, cancel=cancel)
+    assert list(gen) == []
+    assert gen.stats.stop == "interrupted" and gen.stats.n_gen == 0
+    assert polls == [512, 1024] and len(engine.kv_tokens) == 1024      # stopped after the 2nd of 3 chunks
+    # the chunks evaluated stay in the cache: the retry evaluates only the rest
+    gen = engine.generate(prompt, 2, GREEDY)
+    list(gen)
+    assert gen.stats.n_prompt == len(prompt) - 1024
+
+
+def test_draft_length_above_the_cap_is_refused_with_the_cap(engine):
+    assert engine.n_max_cap == 16
+    with pytest.raises(SpecrunError, match=r"draft n-max 17 is above this engine's cap of 16"):
+        engine.generate(engine.tokenize("hi"), 4, GREEDY, spec=SpecParams(types=("ngram-simple",), n_max=17))
+
+
+def test_verbose_shows_llama_cpp_log(smollm_path):
+    base = [sys.executable, "-m", "specrun.cli.main", "-m", str(smollm_path), "-p", "Hi", "-n", "2", "--temp", "0"]
+    quiet = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    loud = subprocess.run([*base, "-v"], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == loud.returncode == 0
+    assert "llama.cpp:" not in quiet.stderr
+    assert "INFO llama.cpp: llama_model_loader" in loud.stderr or "INFO llama.cpp: llama_context" in loud.stderr
+    assert quiet.stdout == loud.stdout
