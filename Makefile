@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL  ?= gemma-3-270m
 PROMPT_FILE ?= benchmarks/prompts/code_rewrite.txt
-RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-draft-n-max 16 -n 128 --temp 0 -f $(PROMPT_FILE)
+RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 -n 128 --temp 0 -f $(PROMPT_FILE)
 
 .PHONY: install run test test-fast bench lint clean
 

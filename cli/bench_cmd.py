@@ -33,6 +33,7 @@ from rich.table import Table
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.calibrate import GREEDY, VERIFY_ROWS, VerifyCost, measure_verify_cost, setting_name
 from specrun.kernels.chat_template import TemplateError
+from specrun.kernels.drafters import draft_n_max
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import SpecParams, parse_spec_types
 from specrun.kernels.stats import GenStats
@@ -125,6 +126,11 @@ def _generate(engine: Engine, prompt: Sequence[int], n: int, sampling: SamplingP
     return [t for chunk in gen for t in chunk], gen.stats
 
 
+def _draft_bound(spec: SpecParams) -> int:
+    """The n-max column: the longest draft of the setting (size_m for n-grams alone)."""
+    return draft_n_max(spec.types[0], spec) if len(spec.types) == 1 else spec.n_max
+
+
 def run_bench(engine, prompts: Sequence[BenchPrompt], settings: Sequence[Setting], n_predict: int, reps: int,
               sampling: SamplingParams = GREEDY, *, verify_rows: Sequence[int] = VERIFY_ROWS,
               verify_reps: int = VERIFY_REPS, warmup: bool = True,
@@ -165,7 +171,7 @@ def run_bench(engine, prompts: Sequence[BenchPrompt], settings: Sequence[Setting
                 bad = [d for d in diffs if d is not None]
                 equal, diff = not bad, (min(bad) if bad else None)
             rows.append(BenchRow(
-                prompt=p.name, setting=s.label, n_max=None if s.is_none else s.spec.n_max,
+                prompt=p.name, setting=s.label, n_max=None if s.is_none else _draft_bound(s.spec),
                 gen_tps=round(statistics.median(r.tps), 1), gen_tps_min=round(min(r.tps), 1),
                 gen_tps_max=round(max(r.tps), 1),
                 ratio_to_none=round(statistics.median(ratios), 2) if ratios else 0.0,
@@ -280,7 +286,8 @@ def plot(res: BenchResult, path: str) -> None:
 
 def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int) -> list[Setting]:
     """'none,ngram-simple,draft-mtp' x '1,3' -> none first, then each type at each n-max.
-    'a+b' is a combination (llama.cpp's order: n-grams first)."""
+    'a+b' is a combination (llama.cpp's order: n-grams first). ngram-simple alone runs once: its
+    drafts are bounded by size_m, not by an n-max (llama.cpp's semantics)."""
     try:
         n_maxes = list(dict.fromkeys(int(x) for x in n_max_text.split(",") if x.strip()))
     except ValueError:
@@ -301,7 +308,7 @@ def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int)
             continue
         seen.add(types)
         out += [Setting(SpecParams(types=types, n_max=k, ngram_size_n=ngram_n, ngram_size_m=ngram_m))
-                for k in n_maxes]
+                for k in (n_maxes if types != ("ngram-simple",) else n_maxes[:1])]
     return out
 
 

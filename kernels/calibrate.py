@@ -46,6 +46,7 @@ import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
+from .drafters import draft_n_max
 from .llama import MAX_EXACT_BATCH
 from .params import SpecParams
 from .types import SamplingParams
@@ -179,7 +180,8 @@ def predict(costs: Costs, spec: SpecParams) -> Prediction:
     """The predicted speedup of a single-type setting whose drafter was calibrated with n_max >= spec.n_max."""
     dc = _drafter_cost(costs, spec)
     p = dc.long
-    k = min(float(spec.n_max), p.mean_len) if p.n_drafts else float(spec.n_max)
+    n_max = float(draft_n_max(spec.types[0], spec))
+    k = min(n_max, p.mean_len) if p.n_drafts else n_max
     a = p.acc_per_pos
     n_full = int(k)
     acc_sum = sum(a[:n_full]) + (k - n_full) * (a[n_full] if n_full < len(a) else 0.0)
@@ -202,7 +204,19 @@ def _drafter_cost(costs: Costs, spec: SpecParams) -> DrafterCost:
 
 
 def setting_name(spec: SpecParams) -> str:
-    return "none" if not spec.types else f"{'+'.join(spec.types)} n-max {spec.n_max}"
+    if not spec.types:
+        return "none"
+    if spec.types == ("ngram-simple",):
+        return f"ngram-simple size-n {spec.ngram_size_n} size-m {spec.ngram_size_m}"
+    return f"{'+'.join(spec.types)} n-max {spec.n_max}"
+
+
+def _probe_specs(spec: SpecParams) -> list[SpecParams]:
+    """A drafter's probes: a model drafter at n_max 1 and at its own n_max; n-grams as they are
+    (their drafts are copies of size_n..size_m tokens: no n-max to vary)."""
+    if spec.types == ("ngram-simple",):
+        return [spec]
+    return [replace(spec, n_max=k) for k in sorted({1, spec.n_max})]
 
 
 def choose(costs: Costs, candidates: Sequence[SpecParams], margin: float = MARGIN,
@@ -286,11 +300,12 @@ def measure_verify_cost(engine, prompt_tokens: Sequence[int], rows: Sequence[int
 
 
 def _probe_once(engine, prompt: np.ndarray, n_probe: int, spec: SpecParams) -> tuple:
-    """Generate at least n_probe tokens. The generation may run n_max + 1 tokens further and is
+    """Generate at least n_probe tokens. The generation may run a longest draft + 1 tokens further and is
     stopped early, so no draft is cut short by the end of generation (that would bias the
     acceptance of the last positions and the mean draft length)."""
     n = 0
-    with engine.generate(prompt, n_probe + spec.n_max + 1, GREEDY, spec=spec) as gen:
+    room = min(draft_n_max(spec.types[0], spec), engine.n_max_cap) + 1 if spec.types else 0
+    with engine.generate(prompt, n_probe + room, GREEDY, spec=spec) as gen:
         for toks in gen:
             n += len(toks)
             if n >= n_probe:
@@ -307,8 +322,7 @@ def probe(engine, prompt_tokens: Sequence[int], drafter_specs: Sequence[SpecPara
     prompt = np.asarray(prompt_tokens, dtype=np.int32)
     runs = [(SpecParams(), None)]
     for i, s in enumerate(drafter_specs):
-        for k in sorted({1, s.n_max}):
-            runs.append((replace(s, n_max=k), i))
+        runs += [(ps, i) for ps in _probe_specs(s)]
     t_pass: list[list[float]] = [[] for _ in runs]
     t_tok: list[list[float]] = [[] for _ in runs]
     last: list = [None] * len(runs)
@@ -331,7 +345,7 @@ def probe(engine, prompt_tokens: Sequence[int], drafter_specs: Sequence[SpecPara
             continue
         st, d = last[j]
         out[i].append(ProbeRun(
-            n_max=spec.n_max, n_passes=st.n_target_passes, n_gen=st.n_gen, n_drafts=d.n_gen_drafts,
+            n_max=draft_n_max(spec.types[0], spec), n_passes=st.n_target_passes, n_gen=st.n_gen, n_drafts=d.n_gen_drafts,
             n_drafted=d.n_gen_tokens, n_accepted=d.n_acc_tokens, acc_per_pos=tuple(d.acc_rate_per_pos),
             t_pass_s=statistics.median(t_pass[j]), t_tok_s=statistics.median(t_tok[j]) if t_tok[j] else 0.0))
     return t1, out
@@ -350,7 +364,7 @@ def measure(engine, prompt_tokens: Sequence[int], candidates: Sequence[SpecParam
     groups = _groups(candidates)
     if not groups:
         return Costs(VerifyCost((1,), (0.0,), (0.0,), (0.0,)), 0.0, ())
-    k_max = max(g.n_max for g in groups)
+    k_max = max(min(draft_n_max(g.types[0], g), engine.n_max_cap) for g in groups)
     n_probe = min(n_probe, engine.n_ctx - len(prompt) - 2 * k_max - 3)
     if n_probe < 4:
         raise CalibrationError(f"no room in the context ({engine.n_ctx} tokens) to probe after a "
@@ -389,4 +403,4 @@ def n_steps(candidates: Sequence[SpecParams], reps: int = 3, verify_reps: int = 
     groups = _groups(candidates)
     if not groups:
         return 0
-    return verify_reps + 1 + reps * (1 + sum(len({1, g.n_max}) for g in groups))
+    return verify_reps + 1 + reps * (1 + sum(len(_probe_specs(g)) for g in groups))

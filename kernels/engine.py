@@ -33,7 +33,7 @@ import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
-from .drafters import TargetView, drafter_key, make_drafter
+from .drafters import TargetView, draft_n_max, drafter_key, make_drafter
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import EngineParams, SpecParams
 from .sampling import sample
@@ -118,7 +118,7 @@ class Engine:
                                "or pass MTP heads with -md HEADS.gguf")
         # the longest draft: hybrid (recurrent) models roll back through n_rs_seq snapshots, and exact
         # mode keeps verify batches under flash attention's 64-row tiled kernel
-        self.n_max_cap = max(spec.n_max, 16)
+        self.n_max_cap = max(spec.n_max, spec.ngram_size_m, 16)
         if params.exact:
             self.n_max_cap = min(self.n_max_cap, MAX_EXACT_BATCH - 1)
         self.mtp_enabled = "draft-mtp" in spec.types or (self.model.load_mtp and self.model.n_layer_nextn > 0)
@@ -183,7 +183,9 @@ class Engine:
         """Start generating after prompt: the tokens come by iterating the Generation, until
         end-of-generation, n_predict tokens (-1: no limit) or a full context.
 
-        requires: 1 <= len(prompt) < n_ctx; spec.n_max <= n_max_cap when it names drafters.
+        requires: 1 <= len(prompt) < n_ctx; spec.n_max <= n_max_cap when it names a model drafter.
+        Draft lengths as llama.cpp's: --spec-draft-n-max bounds draft-model and MTP drafts, size_m
+        bounds n-gram drafts; then the room left in the context and the tokens left to generate.
         spec: None = the engine's own; drafters: explicit drafter objects (tests), with spec's numbers.
         cancel: polled between prompt chunks (n_ubatch tokens each) and target passes; once it
         returns True the generation ends with stop "interrupted" (a long prompt stops mid-way).
@@ -199,11 +201,12 @@ class Engine:
         spec = spec or self.params.spec
         if drafters is None:
             drafters = self.drafters if spec is self.params.spec else self.drafters_for(spec)
-        if drafters and spec.n_max > self.n_max_cap:
-            why = " (exact mode verifies at most 63 rows)" if self.params.exact and self.n_max_cap == MAX_EXACT_BATCH - 1 \
-                else f" (it was started with --spec-draft-n-max {self.params.spec.n_max})"
-            raise SpecrunError(f"draft n-max {spec.n_max} is above this engine's cap of {self.n_max_cap}{why}; "
-                               f"ask for at most {self.n_max_cap}, or restart with a larger --spec-draft-n-max")
+        for d in drafters:
+            if d.spec_type != "ngram-simple" and spec.n_max > self.n_max_cap:
+                why = (" (exact mode verifies at most 63 rows)" if self.params.exact and self.n_max_cap == MAX_EXACT_BATCH - 1
+                       else f" (it was started with --spec-draft-n-max {self.params.spec.n_max})")
+                raise SpecrunError(f"draft n-max {spec.n_max} is above this engine's cap of {self.n_max_cap}{why}; "
+                                   f"ask for at most {self.n_max_cap}, or restart with a larger --spec-draft-n-max")
         sampling = resolve_seed(sampling)
         st = GenStats(n_prompt_total=len(prompt), exact=self.params.exact, seed=sampling.seed,
                       exact_caveat=self.params.exact_caveat if self.params.exact else None,
@@ -215,7 +218,10 @@ class Engine:
              drafters: list[Drafter], st: GenStats, cancel: Callable[[], bool]) -> Iterator[list[int]]:
         sample_drafts = spec.verify in ("auto", "rejection") and not sampling.greedy
         opts = DraftOptions(spec.p_min, sampling if sample_drafts else None)
-        n_cur = [spec.n_max] * len(drafters)     # per-drafter draft length (adaptive) or n_max
+        # each drafter's longest draft (n-grams: size_m, models: n_max), within the engine's cap; an
+        # n-gram copy longer than the cap (exact mode: 62 tokens) is cut there
+        n_lim = [min(draft_n_max(d.spec_type, spec), self.n_max_cap) for d in drafters]
+        n_cur = list(n_lim)                      # per-drafter draft length (adaptive) or its limit
         n_emitted, t0, t_gen0 = 0, time.perf_counter(), None
         try:
             if limit == 0:
@@ -239,7 +245,7 @@ class Engine:
                     st.stop = "n_predict" if n_emitted >= limit else "ctx" if n_past + 1 > self.n_ctx - 1 \
                         else "interrupted"
                     return
-                k_cap = min(spec.n_max, limit - n_emitted - 1, self.n_ctx - n_past - 2)
+                k_cap = min(limit - n_emitted - 1, self.n_ctx - n_past - 2)   # llama-server's n_draft_max
                 draft, which = self._propose(drafters, np.asarray(ctx_tokens, dtype=np.int32), k_cap, n_cur,
                                              spec.n_min, st)
                 verdict = self._step(id_last, n_past, draft, sampling, spec, drafters)
@@ -248,7 +254,7 @@ class Engine:
                     st.verify = verify_mode(spec, sampling, draft)   # empty drafts are plain steps
                     st.drafters[which].record(len(draft), verdict.n_accepted)
                     if spec.adaptive:  # grow after a fully accepted draft, shrink after a rejection
-                        n_cur[which] = (min(spec.n_max, n_cur[which] + 2) if verdict.n_accepted == len(draft)
+                        n_cur[which] = (min(n_lim[which], n_cur[which] + 2) if verdict.n_accepted == len(draft)
                                         else max(1, n_cur[which] - 1))
                 n_past += verdict.n_accepted + 1
                 id_last = int(verdict.tokens[-1])

@@ -111,7 +111,8 @@ def test_bench_tiny_model_prints_one_row_per_setting_and_json_has_the_same_numbe
     assert "skipping the chat prompt: the model has no chat template" in r.stderr
     assert [p["name"] for p in d["prompts"]] == ["free", "code"]
     # the spec types default to what the file allows: this model has MTP heads
-    expected = [("none", None), ("ngram-simple", 1), ("ngram-simple", 3), ("draft-mtp", 1), ("draft-mtp", 3)]
+    # (ngram-simple runs once: its drafts are bounded by size_m, 48, not by the n-max list)
+    expected = [("none", None), ("ngram-simple", 48), ("draft-mtp", 1), ("draft-mtp", 3)]
     for p in d["prompts"]:
         assert [(x["setting"], x["n_max"]) for x in p["rows"]] == expected
         rows = table_rows(r.stderr, f"{p['name']}: {p['n_prompt']} prompt tokens, -n 16, 1 reps")
@@ -167,7 +168,7 @@ def test_bench_flag_errors(tiny_mtp):
 def test_parse_settings_none_first_combinations_and_aliases():
     s = parse_settings("ngram-simple,draft-mtp+ngram-simple,none,draft", "1,3,1", 3, 16)
     assert [(x.label, x.spec.n_max) for x in s] == [
-        ("none", 3), ("ngram-simple", 1), ("ngram-simple", 3), ("ngram-simple+draft-mtp", 1),
+        ("none", 3), ("ngram-simple", 1), ("ngram-simple+draft-mtp", 1),
         ("ngram-simple+draft-mtp", 3), ("draft-simple", 1), ("draft-simple", 3)]
     assert s[0].is_none and s[1].spec.ngram_size_n == 3 and s[1].spec.ngram_size_m == 16
 
@@ -328,9 +329,11 @@ def test_fit_reproduces_both_probes_and_ngram_without_matches_is_never_chosen():
     assert pn.tokens_per_pass == 1.0 and pn.speedup < 1.0
     # n-grams that draft on half the passes with high acceptance (a copy): chosen
     cp = mtp_like(16, [0.95] * 16, 0, 10.3 + 0.5 * (v.at(17) - v.at(1)) / MS, 0.0, f=0.5)
-    dcp = fit_drafter(SpecParams(types=("ngram-simple",), n_max=16), cp[-1:], v, t1 * MS)
-    c = choose(Costs(v, t1 * MS, (dcp,)), [SpecParams(types=("ngram-simple",), n_max=k) for k in (4, 8, 16)])
-    assert c.spec.types == ("ngram-simple",) and c.spec.n_max == 16 and c.predicted_speedup > 3
+    n3m16 = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16)
+    dcp = fit_drafter(n3m16, cp[-1:], v, t1 * MS)
+    c = choose(Costs(v, t1 * MS, (dcp,)), [n3m16])
+    assert c.spec == n3m16 and c.predicted_speedup > 3
+    assert c.reason.startswith("ngram-simple size-n 3 size-m 16: predicted ×")
 
 
 def test_verify_cost_interpolates_and_extrapolates():
@@ -374,7 +377,8 @@ def test_auto_chooses_none_when_every_setting_is_slower(tiny_mtp, capsys):
     assert spec.types == ()
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.match(r"spec auto: none: no speculative setting is predicted faster than ×1\.10; the best, "
-                    r"(draft-mtp n-max 1, is ×0\.67 \(acceptance 1\.00|ngram-simple n-max \d+, is ×1\.00 \()", line), line
+                    r"(draft-mtp n-max 1, is ×0\.67 \(acceptance 1\.00|ngram-simple size-n \d+ size-m \d+, is ×1\.00 \()",
+                    line), line
 
 
 @pytest.mark.slow

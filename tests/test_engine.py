@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,9 +113,24 @@ def test_cancel_stops_a_long_prompt_between_chunks(engine):
 
 
 def test_draft_length_above_the_cap_is_refused_with_the_cap(engine):
-    assert engine.n_max_cap == 16
-    with pytest.raises(SpecrunError, match=r"draft n-max 17 is above this engine's cap of 16"):
-        engine.generate(engine.tokenize("hi"), 4, GREEDY, spec=SpecParams(types=("ngram-simple",), n_max=17))
+    assert engine.n_max_cap == 48            # max(16, --spec-draft-n-max 3, --spec-ngram-simple-size-m 48)
+    rec = Recorder([], 0, 0)
+    with pytest.raises(SpecrunError, match=r"draft n-max 49 is above this engine's cap of 48"):
+        engine.generate(engine.tokenize("hi"), 4, GREEDY, spec=SpecParams(n_max=49), drafters=[rec])
+
+
+def test_ngram_drafts_are_bounded_by_size_m_not_n_max(engine):
+    """llama.cpp's semantics: --spec-draft-n-max bounds model drafters; an n-gram draft is a copy of
+    up to --spec-ngram-simple-size-m tokens. Here a copy drafts (and is accepted) past n-max 3."""
+    code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:700]
+    prompt = engine.tokenize("Copy this text exactly.\n\n" + code + "\n\nCopy:\n\n" + code[:120])
+    engine.reset()
+    gen = engine.generate(prompt, 40, GREEDY, spec=SpecParams(types=("ngram-simple",), n_max=3,
+                                                              ngram_size_n=3, ngram_size_m=10))
+    list(gen)
+    d = gen.stats.drafters[0]
+    assert d.n_gen_drafts > 0 and len(d.acc_per_pos) == 10 and d.acc_per_pos[3] > 0   # accepted past n-max
+    assert gen.stats.n_target_passes < gen.stats.n_gen - 1
 
 
 def test_verbose_shows_llama_cpp_log(smollm_path):

@@ -86,19 +86,22 @@ def test_prompts_cover_both_sides_of_256(target):
 
 @pytest.mark.parametrize("temp", TEMPS)
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("n_max", N_MAX)
-def test_ngram_simple_equals_plain(target, prompt, temp, n_max):
+@pytest.mark.parametrize("size_n, size_m", [(2, 2), (2, 5), (2, 16), (3, 48)])
+def test_ngram_simple_equals_plain(target, prompt, temp, size_n, size_m):
+    """n-gram drafts are copies of size_n..size_m tokens (llama.cpp: --spec-draft-n-max does not bound them)."""
     got, _ = run(target.engine, target.prompts[prompt], temp,
-                 spec=spec(("ngram-simple",), n_max, ngram_size_n=2, ngram_size_m=16))
+                 spec=spec(("ngram-simple",), 3, ngram_size_n=size_n, ngram_size_m=size_m))
     assert got == target.plain(prompt, temp)
 
 
 def test_ngram_simple_drafts_and_accepts_on_copying(target):
-    """The branch that accepts is really taken (greedy copy of a long file)."""
+    """The branch that accepts is really taken (greedy copy of a long file), with drafts longer
+    than --spec-draft-n-max: size_m bounds an n-gram draft, as in llama.cpp."""
     _, st = run(target.engine, target.prompts["long"], 0.0,
-                spec=spec(("ngram-simple",), 8, ngram_size_n=2, ngram_size_m=16))
+                spec=spec(("ngram-simple",), 3, ngram_size_n=2, ngram_size_m=16))
     assert st.n_drafted > 0 and st.n_accepted > 0
     assert st.n_target_passes < st.n_gen - 1
+    assert len(st.drafters[0].acc_per_pos) > 3 and st.drafters[0].acc_per_pos[3] > 0
 
 
 @pytest.mark.parametrize("temp", TEMPS)

@@ -19,20 +19,22 @@ from specrun.kernels.params import SpecParams
 from .console import err_console
 from .prompts import PROMPTS
 
-# candidate draft lengths: model drafters pay a decode per drafted token; n-gram drafts are
-# copies of 12..48 tokens (size_n..size_m) cut to n_max, so only longer n_max matter there
-AUTO_N_MAX = {"draft-mtp": (1, 2, 3, 4, 6, 8), "draft-simple": (1, 2, 3, 4, 6, 8), "ngram-simple": (2, 4, 8, 16)}
+# candidate draft lengths of the model drafters (a decode per drafted token); n-gram drafts are
+# copies of size_n..size_m tokens, so their candidates are (size_n, size_m) pairs: the command's
+# own and llama-server's usual "n3 m16"
+AUTO_N_MAX = (1, 2, 3, 4, 6, 8)
+AUTO_NGRAM_SIZES = ((3, 16),)
 
 
 def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     """Single-type candidates for what the engine has loaded, with base's other settings."""
-    types = ["ngram-simple"]
-    if "draft-simple" in engine.params.spec.types:
-        types.append("draft-simple")
-    if engine.mtp_enabled:
-        types.append("draft-mtp")
-    return [replace(base, types=(t,), n_max=k, adaptive=False)
-            for t in types for k in AUTO_N_MAX[t] if k <= engine.n_max_cap]
+    base = replace(base, adaptive=False)
+    sizes = dict.fromkeys([(base.ngram_size_n, base.ngram_size_m), *AUTO_NGRAM_SIZES])
+    out = [replace(base, types=("ngram-simple",), ngram_size_n=n, ngram_size_m=m)
+           for n, m in sizes if m <= engine.n_max_cap]
+    models = [t for t in ("draft-simple", "draft-mtp")
+              if (t == "draft-simple" and t in engine.params.spec.types) or (t == "draft-mtp" and engine.mtp_enabled)]
+    return out + [replace(base, types=(t,), n_max=k) for t in models for k in AUTO_N_MAX if k <= engine.n_max_cap]
 
 
 def calibrate_with_progress(engine: Engine, prompt_tokens, candidates: list[SpecParams], **opts) -> Choice:

@@ -19,7 +19,14 @@ from .draft_model import DraftModel
 from .draft_mtp import DraftMTP
 from .ngram_simple import NgramSimple
 
-__all__ = ["DraftMTP", "DraftModel", "NgramSimple", "TargetView", "drafter_key", "make_drafter"]
+__all__ = ["DraftMTP", "DraftModel", "NgramSimple", "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
+
+
+def draft_n_max(spec_type: str, spec: SpecParams) -> int:
+    """The longest draft of a drafter, as llama.cpp bounds it (common_speculative_n_max): an n-gram
+    draft is a copy of size_n..size_m tokens (--spec-ngram-simple-size-m), a model drafts at most
+    --spec-draft-n-max tokens. The engine adds its own bounds (context room, tokens left, its cap)."""
+    return spec.ngram_size_m if spec_type == "ngram-simple" else spec.n_max
 
 
 def drafter_key(spec_type: str, spec: SpecParams) -> tuple:
