@@ -1,17 +1,18 @@
 """`specrun serve` started with a server-level spec type (ngram-simple on SmolLM2, draft-mtp on the
 synthetic MTP model), and with --api-key, one slot and a queue of one: the content equals plain
-decoding, requests without the key get 401, a full queue gets 503 with Retry-After, a client that
-leaves mid-stream frees the slot for the one waiting, and SIGTERM shuts down cleanly (exit 0)."""
+decoding, a draft n-max above the engine's cap is a 400 that gives the cap, requests without the
+key get 401, a full queue gets 503 with Retry-After, a client that leaves mid-stream frees the slot
+for the one waiting, and SIGTERM past the drain timeout ends a stream with an error event (exit 0)."""
 
 from __future__ import annotations
 
+import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from test_server import MODEL, REPEAT, ServerProcess, T, delta
+from test_server import MODEL, REPEAT, ServerProcess, T, delta, metric_sum, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,25 @@ def test_draft_mtp_equals_none(mtp_server):
     assert models["chat_template"] is False
 
 
+def test_draft_n_max_above_the_cap_is_a_400_with_the_cap(mtp_server):
+    cap = mtp_server.http.get("/v1/models").json()["data"][0]["meta"]["spec_n_max_cap"]
+    assert cap == 48     # the larger of 16, --spec-draft-n-max (3) and the n-gram size_m (48)
+    before = mtp_server.metrics()
+    r = mtp_server.post("/completion", {"prompt": "hello", "n_predict": 4, "speculative": {"n_max": cap + 1}})
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": f"speculative.n_max: draft n-max {cap + 1} is above this server's cap of {cap} for draft-simple "
+                   f"and draft-mtp (set when the server started); ask for at most {cap}, or restart the server "
+                   "with a larger --spec-draft-n-max", "type": "invalid_request_error", "code": "invalid_value"}
+    # refused before it took a slot: no generation ran (the engine's own check comes after one)
+    assert delta(mtp_server.metrics(), before, "specrun_requests_total") == 0
+    ok = mtp_server.completion("hello", 4, speculative={"n_max": cap})
+    assert ok["generation_settings"]["speculative"]["n_max"] == cap and ok["tokens_predicted"] == 4
+    # n-gram drafts are bounded by their size_m, not by the cap: accepted as the engine does
+    assert mtp_server.completion("hello", 4, speculative={"type": "ngram-simple", "n_max": 62})["tokens"] == \
+        ok["tokens"]
+
+
 def test_chat_without_template_is_400(mtp_server):
     r = mtp_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
@@ -81,7 +101,7 @@ KEY = "sk-test-123"
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     srv = ServerProcess(tmp_path_factory.mktemp("serve-key"), "-m", MODEL, "-c", "512", "-np", "1", "-t", "1",
-                        "--queue", "1", api_key=KEY)
+                        "--queue", "1", "--drain-timeout", "1", api_key=KEY)
     yield srv
     srv.kill()
 
@@ -100,8 +120,18 @@ def test_api_key_required(guarded, method, path, auth):
     assert r.headers["www-authenticate"] == "Bearer"
 
 
+@pytest.mark.parametrize("headers,status", [({"X-Api-Key": KEY}, 200), ({"x-api-key": KEY}, 200),
+                                            ({"Authorization": f"bearer {KEY}"}, 200),
+                                            ({"X-Api-Key": "wrong"}, 401), ({"X-Api-Key": ""}, 401),
+                                            ({"Authorization": "Bearer wrong", "X-Api-Key": KEY}, 401)])
+def test_api_key_headers(guarded, headers, status):
+    r = httpx.get(guarded.url + "/v1/models", headers=headers, timeout=T)
+    assert r.status_code == status, r.text
+
+
 def test_api_key_health_open_and_key_works(guarded):
     assert httpx.get(guarded.url + "/health", timeout=T).status_code == 200
+    assert httpx.head(guarded.url + "/v1/health", timeout=T).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", timeout=T, max_retries=0).models.list()
     c = guarded.client()
@@ -111,18 +141,10 @@ def test_api_key_health_open_and_key_works(guarded):
     assert guarded.http.get("/openapi.json").json()["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
-def _wait_metric(srv: ServerProcess, pred, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = srv.metrics()
-        if pred(m) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
-
-
 def test_full_queue_503_and_disconnect_frees_the_slot(guarded):
     """Slot taken by a long stream, one request waiting (the queue's one place): a third gets 503 with
-    Retry-After. The stream's client then leaves: the waiting request gets the slot at once."""
+    Retry-After. The stream's client then leaves: the waiting request gets the slot at once (it is
+    answered while the stream's 400 tokens are far from generated)."""
     before = guarded.metrics()
     waiting: dict[str, object] = {}
     long_body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0, "stream": True}
@@ -131,27 +153,25 @@ def test_full_queue_503_and_disconnect_frees_the_slot(guarded):
         assert next(line for line in lines if line.startswith("data: "))   # generating: the slot is taken
 
         def wait_in_queue() -> None:
-            t0 = time.monotonic()
             r = guarded.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                                  "temperature": 0})
-            waiting.update(status=r.status_code, text=r.json()["choices"][0]["text"], t_done=time.monotonic(),
-                           t_wait=time.monotonic() - t0)
+            waiting.update(status=r.status_code, text=r.json()["choices"][0]["text"])
 
         th = threading.Thread(target=wait_in_queue)
         th.start()
-        m = _wait_metric(guarded, lambda m: m["specrun_requests_waiting"] == 1)
-        assert m["specrun_requests_waiting"] == 1 and m["specrun_slots_busy"] == 1
+        m = wait_for("a request waiting", lambda: (m := guarded.metrics()) and m["specrun_requests_waiting"] == 1
+                     and m)
+        assert m["specrun_slots_busy"] == 1
         busy = guarded.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
         assert busy.status_code == 503, busy.text
         assert busy.headers["retry-after"] == "1"
         assert busy.json()["error"]["code"] == "server_busy"
         for _ in range(3):
             next(lines)
-        t_leave = time.monotonic()
     th.join(T)
     assert waiting["status"] == 200 and waiting["text"]
-    assert waiting["t_done"] - t_leave < 5.0      # not after the 400 tokens the stream asked for
-    after = _wait_metric(guarded, lambda m: delta(m, before, "specrun_requests_total") == 2)
+    after = wait_for("both requests recorded", lambda: (m := guarded.metrics())
+                     and delta(m, before, "specrun_requests_total") == 2 and m)
     assert delta(after, before, "specrun_requests_interrupted_total") == 1
     assert delta(after, before, "specrun_tokens_generated_total") < 400 + 4
     assert delta(after, before, "specrun_errors_total", code="503") == 1
@@ -164,22 +184,31 @@ def test_disconnect_non_streamed_frees_the_slot(guarded):
     with pytest.raises(httpx.ReadTimeout):
         guarded.post("/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400,
                                          "temperature": 0}, timeout=1.0)
-    after = _wait_metric(guarded, lambda m: delta(m, before, "specrun_requests_interrupted_total") == 1)
-    assert delta(after, before, "specrun_requests_interrupted_total") == 1
-    assert after["specrun_slots_busy"] == 0
+    after = wait_for("the run interrupted", lambda: (m := guarded.metrics())
+                     and delta(m, before, "specrun_requests_interrupted_total") == 1 and m["specrun_slots_busy"] == 0
+                     and m)
     assert delta(after, before, "specrun_tokens_generated_total") < 400
 
 
-def test_sigterm_shuts_down_cleanly(guarded):
-    """SIGTERM while a stream is generating: the stream ends, the process exits 0."""
+def test_sigterm_past_the_drain_timeout_ends_the_stream_with_an_error(guarded):
+    """SIGTERM while a 400-token stream is generating, with --drain-timeout 1: the stream is stopped
+    after the drain and ends with an error event, then [DONE] (never a final chunk that looks
+    complete); the process exits 0, and its last line counts that one interrupted run."""
     body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0, "stream": True}
+    m = guarded.metrics()
+    answered = metric_sum(m, "specrun_requests_total") - m["specrun_requests_interrupted_total"]
     with guarded.http.stream("POST", "/v1/completions", json=body) as stream:
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        t0 = time.monotonic()
         guarded.proc.send_signal(15)
-        rest = [line for line in lines if line]     # ends (the generation is stopped), with [DONE]
-    assert rest[-1] == "data: [DONE]"
-    assert guarded.proc.wait(20) == 0
-    assert time.monotonic() - t0 < 10
-    assert "stopped" in guarded.log()
+        rest = [line[len("data: "):] for line in lines if line]
+    assert rest[-1] == "[DONE]"
+    error = json.loads(rest[-2])
+    assert error["error"]["code"] == "shutting_down" and error["error"]["type"] == "unavailable_error"
+    assert "after" in error["error"]["message"] and "tokens" in error["error"]["message"]
+    pieces = [json.loads(e) for e in rest[:-2]]
+    assert all(p["choices"][0]["finish_reason"] is None and "timings" not in p for p in pieces)
+    assert guarded.proc.wait(T) == 0
+    assert "Traceback" not in guarded.log()
+    assert guarded.stopped() == {"answered": answered, "finished": 0, "interrupted": 1, "in_prompt": 0,
+                                 "queued": 0, "refused": 0}

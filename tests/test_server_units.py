@@ -1,15 +1,25 @@
-"""Pure parts of the server, without a model: stop strings held back while undecided, the slot
-queue (FIFO hand-over, bounded, a waiter that leaves), the Prometheus text."""
+"""Parts of the server without a model: stop strings held back while undecided, the slot queue
+(FIFO hand-over, bounded, a waiter that leaves, shutdown and drain), the Prometheus text, the
+listening socket (TCP_NODELAY on accepted connections), the exposure warning, the chat template's
+time limit, and the ASGI layers (Gate while loading; Guard: API key, body limit and timeout, UTF-8,
+503 while stopping, a JSON 500 that keeps the connection)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+from types import SimpleNamespace
 
 import pytest
 
 from specrun.cli.runtime.text import StopScanner
+from specrun.cli.serve_cmd import exposure_warning, listen_socket
+from specrun.cli.server.limits import TemplateTimeout, time_limited
 from specrun.cli.server.metrics import Metrics
-from specrun.cli.server.slots import Busy, Job, Outcome, SlotPool
+from specrun.cli.server.middleware import Gate, Guard
+from specrun.cli.server.slots import Busy, Job, Outcome, Run, ShuttingDown, SlotPool
+from specrun.kernels.chat_template import ChatTemplate
 from specrun.kernels.stats import DrafterStats, GenStats
 from specrun.kernels.types import SamplingParams
 
@@ -89,5 +99,238 @@ def test_metrics_text():
                  'specrun_draft_tokens_accepted_total{spec_type="ngram-simple"} 3',
                  'specrun_draft_accepted_per_position_total{spec_type="ngram-simple",position="2"} 1',
                  'specrun_draft_accepted_per_position_total{spec_type="ngram-simple",position="3"} 0',
-                 'specrun_errors_total{code="400"} 1', "specrun_slots 2", "# TYPE specrun_drafts_total counter"]:
+                 'specrun_errors_total{code="400"} 1', "specrun_slots 2", "# TYPE specrun_drafts_total counter",
+                 "specrun_requests_abandoned_total 0", "specrun_requests_preparing 0"]:
         assert want in lines, want
+    m.abandoned()
+    m.preparing(+1)
+    lines = set(m.render(slots=2, busy=0, waiting=0, queue=16).splitlines())
+    assert {"specrun_requests_abandoned_total 1", "specrun_requests_preparing 1"} <= lines
+    assert m.n_finished == 1
+
+
+# ---- shutdown of the slot pool -------------------------------------------------------------------
+
+
+class FakeRun:
+    """A Run's face to the drain: ends by itself after `seconds`, or 0.01 s after cancel()."""
+
+    shut_down = Run.shut_down
+
+    def __init__(self, pool: SlotPool, slot, seconds: float) -> None:
+        self.pool, self.slot, self.stopped_by, self.result = pool, slot, None, None
+        self.ended = pool.loop.create_future()
+        pool.loop.call_later(seconds, self._end, "limit")
+
+    def cancel(self, reason: str = "client") -> None:
+        if not self.ended.done():
+            self.stopped_by = self.stopped_by or reason
+            self.pool.loop.call_later(0.01, self._end, "interrupted")
+
+    def _end(self, stop: str) -> None:
+        if not self.ended.done():
+            self.result = Outcome("", [], stop, "", 0, GenStats(n_gen=0 if stop == "interrupted" else 3))
+            self.pool.release(self.slot)
+            self.ended.set_result(None)
+
+
+def test_shutdown_answers_the_queue_then_drains_and_interrupts_the_rest():
+    async def scenario():
+        pool = SlotPool([FakeEngine(), FakeEngine()], max_queue=4)
+        pool.loop = asyncio.get_running_loop()
+        quick, slow = await pool._acquire([1]), await pool._acquire([2])
+        runs = [FakeRun(pool, quick, 0.05), FakeRun(pool, slow, 3600)]
+        pool._runs = set(runs)
+        waiters = [asyncio.ensure_future(pool._acquire([0])) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert pool.n_waiting == 3
+        assert pool.begin_shutdown() == 3
+        for w in waiters:                              # answered at once, not after the drain
+            with pytest.raises(ShuttingDown) as e:
+                await w
+            assert e.value.queued
+        with pytest.raises(ShuttingDown) as e:         # a new request
+            await pool._acquire([0])
+        assert not e.value.queued
+        drained = await pool.drain(0.3)
+        assert (drained.finished, drained.interrupted, drained.interrupted_in_prompt) == (1, 1, 1)
+        assert pool.n_busy == 0
+        assert [(r.stopped_by, r.result.stop_type) for r in runs] == [(None, "limit"), ("shutdown", "interrupted")]
+
+    asyncio.run(scenario())
+
+
+def test_drain_with_nothing_in_flight_returns_at_once():
+    async def scenario():
+        pool = SlotPool([FakeEngine()], max_queue=1)
+        pool.loop = asyncio.get_running_loop()
+        assert pool.begin_shutdown() == 0
+        drained = await asyncio.wait_for(pool.drain(3600), 5)
+        assert (drained.finished, drained.interrupted) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+# ---- the listening socket, the exposure warning ---------------------------------------------------
+
+
+def test_listen_socket_sets_tcp_nodelay_on_accepted_connections():
+    """asyncio sets TCP_NODELAY on an accepted socket only when its protocol is IPPROTO_TCP."""
+    async def scenario():
+        with listen_socket("127.0.0.1", 0) as sock:
+            assert sock.proto == socket.IPPROTO_TCP
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+            class Proto(asyncio.Protocol):
+                def connection_made(self, transport) -> None:
+                    s = transport.get_extra_info("socket")
+                    accepted.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                    transport.close()
+
+            server = await asyncio.get_running_loop().create_server(Proto, sock=sock)
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            assert await asyncio.wait_for(accepted, 30) == 1
+            writer.close()
+            server.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("address,key,warns", [
+    ("127.0.0.1", None, False), ("127.0.0.2", None, False), ("::1", None, False),
+    ("0.0.0.0", None, True), ("::", None, True), ("192.168.1.7", None, True), ("0.0.0.0", "k", False),
+])
+def test_exposure_warning(address, key, warns):
+    w = exposure_warning(address, key)
+    assert (w is not None) == warns
+    if warns:
+        assert w == (f"specrun serve: warning: listening on {address} without --api-key: anyone who can reach this "
+                     "address can use the model; give --api-key KEY, or bind 127.0.0.1")
+
+
+# ---- the chat template's time limit -------------------------------------------------------------
+
+
+def test_template_time_limit_stops_a_looping_template():
+    loop = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x")
+    with pytest.raises(TemplateTimeout, match="time limit of 0.2 s"):
+        time_limited(lambda: loop.render([{"role": "user", "content": "hi"}]), 0.2)
+    ok = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert time_limited(lambda: ok.render(msgs)) == ok.render(msgs) == "<user>hi<assistant>yo<assistant>"
+
+
+# ---- ASGI layers -----------------------------------------------------------------------------------
+
+
+async def asgi(app, method="POST", path="/v1/completions", headers=(), body_parts=(b"{}",), hang=False):
+    """Call an ASGI app once; returns (status, headers, body) of its response (status None: none)."""
+    parts = list(body_parts)
+    sent: list[dict] = []
+
+    async def receive():
+        if parts:
+            chunk = parts.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(parts) or hang}
+        if hang:
+            await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path,
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers]}
+    await asyncio.wait_for(app(scope, receive, send), 30)
+    start = next((m for m in sent if m["type"] == "http.response.start"), None)
+    if start is None:
+        return None, {}, b""
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body
+
+
+async def echo(scope, receive, send):
+    """The app behind Guard in these tests: 200 with the body it received."""
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+def guard(app=echo, **config) -> Guard:
+    cfg = SimpleNamespace(**{"api_key": None, "max_body": 100, "body_timeout": 0.2, **config})
+    return Guard(app, SimpleNamespace(config=cfg, metrics=Metrics(()), stopping=False, n_refused=0))
+
+
+def test_gate_answers_loading_then_the_app():
+    gate = Gate()
+    status, headers, body = asyncio.run(asgi(gate, "GET", "/health"))
+    assert status == 503 and headers["retry-after"] == "1"
+    assert json.loads(body) == {"error": {"message": "Loading model", "type": "unavailable_error", "code": "loading"}}
+    gate.app = echo
+    assert asyncio.run(asgi(gate, body_parts=(b"hi",)))[::2] == (200, b"hi")
+
+
+@pytest.mark.parametrize("headers,parts,hang,status,code", [
+    ((), (b'{"a": 1}',), False, 200, None),
+    ((), (b"x" * 60, b"x" * 40), False, 200, None),                  # exactly the limit, in two parts
+    ((("Content-Length", "101"),), (), True, 413, "body_too_large"),  # refused before reading anything
+    ((), (b"x" * 60, b"x" * 41), False, 413, "body_too_large"),       # chunked: counted as it comes
+    ((("Content-Length", "50"),), (b"x" * 10,), True, 408, "body_timeout"),
+    ((), (b'{"prompt": "\xff"}',), False, 400, "invalid_json"),
+])
+def test_guard_body(headers, parts, hang, status, code):
+    got, resp_headers, body = asyncio.run(asgi(guard(), headers=headers, body_parts=parts, hang=hang))
+    assert got == status
+    if code is None:
+        assert body == b"".join(parts)
+    else:
+        assert json.loads(body)["error"]["code"] == code
+        assert resp_headers.get("connection") == ("close" if status in (408, 413) else None)
+
+
+def test_guard_messages_carry_the_numbers():
+    g = guard()
+    _, _, body = asyncio.run(asgi(g, headers=(("Content-Length", "101"),), body_parts=(), hang=True))
+    assert json.loads(body)["error"]["message"] == ("the request body is 101 bytes, above this server's limit of 100 "
+                                                    "(--max-body)")
+    _, _, body = asyncio.run(asgi(g, headers=(("Content-Length", "50"),), body_parts=(b"x" * 10,), hang=True))
+    assert json.loads(body)["error"]["message"] == ("the request body did not arrive within 0.2 s (--body-timeout): "
+                                                    "got 10 of 50 bytes")
+    assert g.state.metrics.errors == {"413": 1, "408": 1}
+
+
+@pytest.mark.parametrize("headers,status", [
+    ((), 401), ((("Authorization", "Bearer k"),), 200), ((("Authorization", "bearer k"),), 200),
+    ((("X-Api-Key", "k"),), 200), ((("X-Api-Key", "K"),), 401), ((("Authorization", "k"),), 401),
+])
+def test_guard_api_key(headers, status):
+    assert asyncio.run(asgi(guard(api_key="k"), headers=headers))[0] == status
+    assert asyncio.run(asgi(guard(api_key="k"), "GET", "/health", body_parts=()))[0] == 200     # open
+
+
+def test_guard_while_stopping_refuses_all_but_metrics():
+    g = guard()
+    g.state.stopping = True
+    status, headers, body = asyncio.run(asgi(g))
+    assert status == 503 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "shutting_down"
+    assert asyncio.run(asgi(g, "GET", "/health"))[0] == 503
+    assert asyncio.run(asgi(g, "GET", "/metrics", body_parts=()))[0] == 200
+    assert g.state.n_refused == 1      # the health check is not a refused request
+
+
+def test_guard_turns_an_exception_into_a_json_500():
+    async def broken(scope, receive, send):
+        raise UnicodeEncodeError("utf-8", "ab\ud800", 2, 3, "surrogates not allowed")
+
+    status, headers, body = asyncio.run(asgi(guard(broken)))
+    assert status == 500 and "connection" not in headers
+    assert json.loads(body)["error"]["code"] == "internal_error"
+

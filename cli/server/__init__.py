@@ -1,7 +1,16 @@
 """`specrun serve`'s HTTP server, in the role of llama-server.
 
-    app.py       the FastAPI app: endpoints, errors, authentication (create_app)
-    slots.py     N engines over one model, a bounded queue, generation in worker threads
-    schemas.py   request and response bodies (pydantic; the OpenAPI schema)
-    metrics.py   Prometheus counters
+    app.py             create_app: the routers, the error handlers, the OpenAPI schema
+    routes_openai.py   /v1/completions, /v1/chat/completions
+    routes_llama.py    /completion
+    routes_service.py  /health, /v1/health, /metrics, /v1/models[/{id}]
+    state.py           ServerConfig, ServerState: request -> checked job (prompt prepared off the
+                       event loop) -> a slot; shutdown
+    streaming.py       server-sent events
+    middleware.py      Gate (503 while loading), Guard (API key, body limits, 503 while stopping, 500s)
+    slots.py           N engines over one model, a bounded queue, generation in worker threads, drain
+    schemas.py         request and response bodies (pydantic; the OpenAPI schema)
+    errors.py          ApiError (OpenAI's error shape), validation messages
+    limits.py          the chat template's time limit
+    metrics.py         Prometheus counters
 """

@@ -24,6 +24,8 @@ class Metrics:
         self.spec_types = spec_types        # pre-declared label values, so their counters read 0
         self.requests: Counter[str] = Counter()          # by endpoint
         self.interrupted = 0
+        self.n_abandoned = 0                             # left the queue before getting a slot
+        self.n_preparing = 0                             # being tokenized / rendered (a gauge)
         self.errors: Counter[str] = Counter()            # by HTTP status code
         self.prompt_tokens = 0
         self.prompt_seconds = 0.0
@@ -56,6 +58,20 @@ class Metrics:
         with self._lock:
             self.errors[str(status)] += 1
 
+    def abandoned(self) -> None:
+        with self._lock:
+            self.n_abandoned += 1
+
+    def preparing(self, delta: int) -> None:
+        with self._lock:
+            self.n_preparing += delta
+
+    @property
+    def n_finished(self) -> int:
+        """Generations that ran to their end (not interrupted)."""
+        with self._lock:
+            return sum(self.requests.values()) - self.interrupted
+
     def render(self, *, slots: int, busy: int, waiting: int, queue: int) -> str:
         out: list[str] = []
 
@@ -69,8 +85,12 @@ class Metrics:
         with self._lock:
             family("requests_total", "counter", "Generation requests served (streamed or not, interrupted included).",
                    [((("endpoint", e),), n) for e, n in sorted(self.requests.items())])
-            family("requests_interrupted_total", "counter", "Generations stopped because the client went away.",
+            family("requests_interrupted_total", "counter",
+                   "Generations stopped before their end: the client went away, or the server was stopping.",
                    [((), self.interrupted)])
+            family("requests_abandoned_total", "counter",
+                   "Requests whose client went away while they waited for a slot (they never ran).",
+                   [((), self.n_abandoned)])
             family("errors_total", "counter", "Responses with an error status (4xx, 5xx), by code.",
                    [((("code", c),), n) for c, n in sorted(self.errors.items())])
             family("prompt_tokens_total", "counter", "Prompt tokens evaluated (not reused from a slot's KV cache).",
@@ -92,5 +112,7 @@ class Metrics:
         family("slots", "gauge", "Slots (engines sharing the model).", [((), slots)])
         family("slots_busy", "gauge", "Slots serving a request.", [((), busy)])
         family("requests_waiting", "gauge", "Requests waiting for a slot.", [((), waiting)])
+        family("requests_preparing", "gauge", "Requests whose prompt is being tokenized or rendered.",
+               [((), self.n_preparing)])
         family("queue_capacity", "gauge", "Most requests that may wait (--queue).", [((), queue)])
         return "\n".join(out) + "\n"

@@ -1,17 +1,50 @@
 """Request and response bodies of `specrun serve` (pydantic; they make the published OpenAPI schema).
 
 Requests are strict (no "5" for 5, no NaN) and ignore fields they do not know, as OpenAI clients
-send a few (`user`, `frequency_penalty`...) that this server does not implement. A field left out
-(or null) takes the server's default, which is the command line's (`--temp`, `-n`, `--spec-type`...).
+send a few (`user`, `frequency_penalty`...) that change nothing here. Fields that would change the
+answer and are not implemented (`logprobs`, `tools`, `response_format`, tool messages...) are
+refused with a 400 naming them, never ignored. A field left out (or null) takes the server's default,
+which is the command line's (`--temp`, `-n`, `--spec-type`...). Every text must be Unicode: a lone
+UTF-16 surrogate (a JSON escape \\ud800 without its pair) is a 400 naming the field.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed, as -1 is
+
+
+def _unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "unencodable_text", f"the text holds a lone UTF-16 surrogate (U+{ord(s[e.start]):04X} at character "
+            f"{e.start}), which is not Unicode; send UTF-8 text, with surrogate escapes only in pairs") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
+def unsupported(field: str, why: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_parameter", f"not supported by this server ({why}); leave {field} out")
+
+
+_NO_LOGPROBS = "the engine does not expose the target's verified distribution"
+_NO_TOOLS = "it has no tool calling"
+_NO_GRAMMAR = "it generates plain text only, without constrained decoding"
+_TEXT_ONLY = 'only {"type": "text"}: anything else (JSON mode, a schema) is a 400'
+
+
+def _plain_text(v: dict | None) -> dict | None:
+    if v is not None and v.get("type", "text") != "text":
+        raise unsupported("response_format", _NO_GRAMMAR)
+    return v
 
 
 class _Body(BaseModel):
@@ -22,7 +55,7 @@ class Speculative(_Body):
     """Per-request speculative decoding (llama.cpp's --spec-* options). The output does not depend
     on it: only how fast it comes."""
 
-    type: str | None = Field(None, description="comma-separated spec types: none, ngram-simple, draft-simple "
+    type: Text | None = Field(None, description="comma-separated spec types: none, ngram-simple, draft-simple "
                              "(alias draft), draft-mtp; only those the server can build (GET /v1/models lists "
                              "them). Default: the server's --spec-type", examples=["ngram-simple"])
     n_max: int | None = Field(None, ge=1, le=62, description="most tokens drafted per step")
@@ -35,35 +68,62 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: str | None = Field(None, description="ignored: the server serves one model")
+    model: Text | None = Field(None, description="ignored: the server serves one model")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy")
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, description="llama.cpp extension; 0: the whole vocabulary")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="llama.cpp extension")
     seed: int | None = Field(None, ge=-1, le=MAX_SEED, description="-1 or 4294967295: random")
-    stop: str | list[str] | None = Field(None, description="up to 4 strings; the text ends before the first one")
+    stop: Text | list[Text] | None = Field(None, description="up to 4 strings; the text ends before the first one")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="choices per request (only 1)")
     speculative: Speculative | None = None
+    response_format: dict[str, Any] | None = Field(None, description=_TEXT_ONLY)
+
+    _text_only = field_validator("response_format")(_plain_text)
 
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] = Field(description="text, a list of one text, or token ids")
+    prompt: Text | list[Text] | list[int] = Field(description="text, a list of one text, or token ids")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's -n)")
+    logprobs: int | None = Field(None, description=f"not supported: a 400 ({_NO_LOGPROBS})")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:
+            raise unsupported("logprobs", _NO_LOGPROBS)
+        return v
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="'tool' (and 'function') messages are a 400: the server has no tool calling")
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[Any] | None = Field(None, description="not supported: a 400 unless empty")
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_role(cls, v):
+        if v in ("tool", "function"):
+            raise unsupported("the tool message", f"'{v}' messages carry tool results and {_NO_TOOLS}")
+        return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        if v:
+            raise unsupported("tool_calls", _NO_TOOLS)
+        return v
 
 
 class ChatRequest(_Sampling):
@@ -72,22 +132,69 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="the newer name of max_tokens")
+    logprobs: bool | None = Field(None, description=f"only false: true is a 400 ({_NO_LOGPROBS})")
+    top_logprobs: int | None = Field(None, description=f"not supported: a 400 ({_NO_LOGPROBS})")
+    tools: list[Any] | None = Field(None, description="not supported: a 400 unless empty")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="only \"none\": anything else is a 400")
+    functions: list[Any] | None = Field(None, description="not supported: a 400 unless empty")
+    function_call: str | dict[str, Any] | None = Field(None, description="only \"none\": anything else is a 400")
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v, info):
+        if v is not None and v is not False:
+            raise unsupported(info.field_name, _NO_LOGPROBS)
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        if v:
+            raise unsupported(info.field_name, _NO_TOOLS)
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        if v is not None and v != "none":
+            raise unsupported(info.field_name, _NO_TOOLS)
+        return v
 
 
 class LlamaCompletionRequest(_Body):
     """POST /completion, llama-server's own endpoint."""
 
-    prompt: str | list[int]
+    prompt: Text | list[int]
     n_predict: int | None = Field(None, ge=-1, description="-1: until end of generation or a full context")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_k: int | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-1, le=MAX_SEED)
-    stop: list[str] | None = None
+    stop: list[Text] | None = None
     stream: bool = False
     cache_prompt: bool = Field(True, description="accepted for compatibility; the slot's KV cache is always reused")
     speculative: Speculative | None = None
+    n_probs: int | None = Field(None, description=f"only 0: more is a 400 ({_NO_LOGPROBS})")
+    grammar: Text | None = Field(None, description="not supported: a 400 unless empty")
+    json_schema: dict[str, Any] | None = Field(None, description="not supported: a 400 unless empty")
+    response_format: dict[str, Any] | None = Field(None, description=_TEXT_ONLY)
+
+    @field_validator("n_probs")
+    @classmethod
+    def _no_probs(cls, v):
+        if v:
+            raise unsupported("n_probs", _NO_LOGPROBS)
+        return v
+
+    @field_validator("grammar", "json_schema")
+    @classmethod
+    def _no_grammar(cls, v, info):
+        if v:
+            raise unsupported(info.field_name, _NO_GRAMMAR)
+        return v
+
+    _text_only = field_validator("response_format")(_plain_text)
 
 
 # ---- responses (documentation: handlers return plain JSON) -----------------------------------

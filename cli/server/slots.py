@@ -1,10 +1,14 @@
 """Slots of `specrun serve`: N engines over one shared model, each serving one request at a time.
 
 A request takes an idle slot (the one whose KV cache shares the longest prefix with its prompt)
-or waits in a bounded FIFO queue; a full queue raises `Busy`. The generation itself runs in a
-worker thread (llama.cpp releases the GIL), which hands text to the event loop as it comes and
-gives the slot back the moment it ends: end of generation, a stop string, max tokens, or the
-client gone (`Run.cancel()`: the engine's generator is closed after the token in flight).
+or waits in a bounded FIFO queue; a full queue raises `Busy`, a stopping server `ShuttingDown`.
+The generation itself runs in a worker thread (llama.cpp releases the GIL), which hands text to
+the event loop as it comes and gives the slot back the moment it ends: end of generation, a stop
+string, max tokens, or `Run.cancel()` (the client gone, or the server stopping), which the engine
+sees between two prompt chunks (n_ubatch tokens) or two target passes.
+
+Shutdown (`begin_shutdown`, then `drain`): the waiting requests fail with ShuttingDown at once, the
+runs in flight get up to the drain timeout to finish, then are cancelled and awaited.
 """
 
 from __future__ import annotations
@@ -59,9 +63,10 @@ class Outcome:
 
 
 def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: threading.Event) -> Outcome:
-    """Run one job on one engine (in the slot's thread); emit(text) as it is decided."""
-    run = TextRun(engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec), engine.model,
-                  stops=job.stop, stop_tokens=job.stop_tokens, cancel=cancel.is_set)
+    """Run one job on one engine (in the slot's thread); emit(text) as it is decided. cancel stops
+    it between two prompt chunks or two target passes (stop_type "interrupted")."""
+    gen = engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec, cancel=cancel.is_set)
+    run = TextRun(gen, engine.model, stops=job.stop, stop_tokens=job.stop_tokens, cancel=cancel.is_set)
     try:
         for piece in run:
             emit(piece)
@@ -77,6 +82,14 @@ class Busy(Exception):
     """Every slot is taken and the queue is full."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: it takes no new work. queued: the request had been waiting for a slot."""
+
+    def __init__(self, message: str, queued: bool = False) -> None:
+        super().__init__(message)
+        self.queued = queued
+
+
 @dataclass(slots=True)
 class Slot:
     id: int
@@ -84,23 +97,43 @@ class Slot:
     busy: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """What a drain did with the runs in flight when the server was told to stop."""
+
+    finished: int              # ended on their own within the drain timeout
+    interrupted: int           # cancelled when it expired
+    interrupted_in_prompt: int  # ...of which before their first token (prompt processing stopped)
+
+
 class Run:
     """One job in flight on a slot. events() yields text pieces, then the Outcome (or raises the
-    engine's exception); cancel() stops it after the token in flight."""
+    engine's exception); cancel(reason) stops it between two chunks or passes. `ended` is done
+    once the slot is given back; `stopped_by` says who cancelled it ("client" | "shutdown")."""
 
     def __init__(self, pool: SlotPool, slot: Slot, job: Job) -> None:
         self.slot = slot
         self.job = job
+        self.stopped_by: str | None = None
+        self.result: Outcome | Exception | None = None
+        self.ended: asyncio.Future = pool.loop.create_future()
         self._cancel = threading.Event()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pool = pool
-        post = pool.loop.call_soon_threadsafe
-        self._future = pool.executor.submit(self._work, post)
+        self._loop = pool.loop
+        self._future = pool.executor.submit(self._work)
 
-    def _work(self, post) -> None:
-        result: object
+    def _post(self, fn, *args) -> None:
         try:
-            result = generate(self.slot.engine, self.job, lambda s: post(self._queue.put_nowait, s), self._cancel)
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:   # the loop is closed (a forced exit): nobody waits for this run any more
+            pass
+
+    def _work(self) -> None:
+        result: Outcome | Exception
+        try:
+            result = generate(self.slot.engine, self.job, lambda s: self._post(self._queue.put_nowait, s),
+                              self._cancel)
             self._pool.on_outcome(self.job, result)
         except Exception as e:  # handed to the request's task, which answers with it
             log.exception("generation failed on slot %d", self.slot.id)
@@ -109,12 +142,28 @@ class Run:
             except Exception:  # the context is unusable; the next request will say so
                 log.exception("could not reset slot %d", self.slot.id)
             result = e
-        finally:
-            post(self._pool.release, self.slot)
-        post(self._queue.put_nowait, result)
+        self.result = result
+        self._post(self._end)
+        self._post(self._queue.put_nowait, result)
 
-    def cancel(self) -> None:
+    def _end(self) -> None:
+        self._pool.release(self.slot)
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+    def cancel(self, reason: str = "client") -> None:
+        """Stop the run at the next prompt chunk or target pass; no-op once it has ended."""
+        if self.ended.done():
+            return
+        if self.stopped_by is None:
+            self.stopped_by = reason
         self._cancel.set()
+
+    @property
+    def shut_down(self) -> bool:
+        """The server's shutdown stopped this run before its end."""
+        return self.stopped_by == "shutdown" and isinstance(self.result, Outcome) \
+            and self.result.stop_type == "interrupted"
 
     async def events(self) -> AsyncIterator[str | Outcome]:
         while True:
@@ -134,7 +183,7 @@ class Run:
 
 class SlotPool:
     """The slots and the bounded FIFO queue of requests waiting for one. Event-loop side only,
-    except on_outcome (any thread) and cancel_all (signal handler)."""
+    except on_outcome (any thread)."""
 
     def __init__(self, engines: list[Engine], max_queue: int,
                  on_outcome: Callable[[Job, Outcome], None] = lambda job, outcome: None) -> None:
@@ -143,6 +192,7 @@ class SlotPool:
         self.on_outcome = on_outcome
         self.executor = ThreadPoolExecutor(len(engines), thread_name_prefix="slot")
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.closing = False
         self._waiters: deque[asyncio.Future] = deque()
         self._runs: set[Run] = set()
 
@@ -155,7 +205,8 @@ class SlotPool:
         return sum(not f.done() for f in self._waiters)
 
     async def start(self, job: Job) -> Run:
-        """Take a slot (waiting in the queue if need be) and start the job on it."""
+        """Take a slot (waiting in the queue if need be) and start the job on it. Cancelling the
+        caller while it waits gives its place in the queue up."""
         self.loop = asyncio.get_running_loop()
         slot = await self._acquire(job.prompt)
         run = Run(self, slot, job)
@@ -163,6 +214,8 @@ class SlotPool:
         return run
 
     async def _acquire(self, prompt: np.ndarray) -> Slot:
+        if self.closing:
+            raise ShuttingDown("the server is shutting down and takes no new requests")
         idle = [s for s in self.slots if not s.busy]
         if idle and not self.n_waiting:
             slot = max(idle, key=lambda s: common_prefix(s.engine.kv_tokens, prompt))
@@ -176,7 +229,7 @@ class SlotPool:
         try:
             return await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():   # handed a slot just as the client left
+            if fut.done() and not fut.cancelled() and fut.exception() is None:   # handed a slot as the client left
                 self.release(fut.result())
             raise
         finally:
@@ -194,9 +247,46 @@ class SlotPool:
                 return
         slot.busy = False
 
-    def cancel_all(self) -> None:
+    # -- shutdown ------------------------------------------------------------------------------
+    def begin_shutdown(self) -> int:
+        """Take no new work; every waiting request fails with ShuttingDown now. Returns how many waited."""
+        self.closing = True
+        n = 0
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(ShuttingDown("the server is shutting down; this request was waiting for "
+                                               "a slot and was not started", queued=True))
+                n += 1
+        return n
+
+    async def drain(self, timeout: float) -> Drained:
+        """Wait up to timeout seconds for the runs in flight to end, then cancel the rest and wait
+        for them (each stops at its next prompt chunk or target pass). Call after begin_shutdown."""
+        end = self.loop.time() + timeout if self.loop else 0.0
+        seen: set[Run] = set()
+        stopped: set[Run] = set()
+        while self.n_busy:
+            runs = [r for r in self._runs if not r.ended.done()]
+            seen.update(runs)
+            if not runs:   # a slot handed to a waiter whose task has not started its run yet
+                await asyncio.sleep(0.01)
+                continue
+            left = end - self.loop.time()
+            if left > 0:
+                await asyncio.wait([r.ended for r in runs], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            for r in runs:
+                r.cancel("shutdown")
+                stopped.add(r)
+            await asyncio.wait([r.ended for r in runs])
+        stopped = {r for r in stopped if r.shut_down}     # a run may have ended just as it was cancelled
+        in_prompt = sum(1 for r in stopped if r.result.stats.n_gen == 0)
+        return Drained(len(seen - stopped), len(stopped), in_prompt)
+
+    def cancel_all(self, reason: str = "shutdown") -> None:
         for r in list(self._runs):
-            r.cancel()
+            r.cancel(reason)
 
     def close(self) -> None:
         self.cancel_all()

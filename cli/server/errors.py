@@ -1,0 +1,60 @@
+"""Errors of `specrun serve`, all in OpenAI's shape: {"error": {"message", "type", "code"}}."""
+
+from __future__ import annotations
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+# pydantic error types (schemas.py) whose name is the error code answered
+_OWN_CODES = ("unencodable_text", "unsupported_parameter")
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             503: "unavailable_error"}
+
+    def __init__(self, status: int, message: str, code: str, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.headers = status, message, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request got a slot: nobody to answer."""
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str]:
+    """FastAPI's validation errors -> one message naming the fields, and an error code."""
+    errors = exc.errors()
+    own = [e for e in errors if e["type"] in _OWN_CODES]   # a union's other branches would only add noise
+    if own:
+        errors = own[:1]
+    parts: list[str] = []
+    code = "invalid_value"
+    for err in errors:
+        if err["type"] == "json_invalid":
+            ctx = err.get("ctx", {}).get("error", "")
+            return f"the request body is not valid JSON ({ctx})", "invalid_json"
+        if tuple(err["loc"]) == ("body",) and isinstance(err.get("input"), bytes | str):
+            return ("the request body must be a JSON object, sent with 'Content-Type: application/json'",
+                    "invalid_json")
+        loc = [str(x) for x in err["loc"][1:] if not (isinstance(x, str) and ("[" in x or x in ("str", "int")))]
+        where = ".".join(loc) or "body"
+        if err["type"] == "missing":
+            code = "missing_field"
+        elif err["type"] in _OWN_CODES:
+            code = err["type"]
+        line = f"{where}: {err['msg']}"
+        if line not in parts:
+            parts.append(line)
+    more = f" (and {len(parts) - 3} more)" if len(parts) > 3 else ""
+    return "; ".join(parts[:3]) + more, code

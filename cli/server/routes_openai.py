@@ -1,0 +1,77 @@
+"""The OpenAI endpoints: POST /v1/completions and /v1/chat/completions (stream: server-sent events
+ending with `data: [DONE]`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+
+from .schemas import ChatCompletion, ChatRequest, Completion, CompletionRequest
+from .slots import Outcome
+from .state import Client, ServerState
+from .streaming import stream
+from .views import sse_doc
+
+
+def oai_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:24]}"
+
+
+def openai_router(state: ServerState) -> APIRouter:
+    router = APIRouter(tags=["OpenAI"])
+    alias = state.config.alias
+
+    @router.post("/v1/completions", responses=sse_doc(Completion), summary="OpenAI text completion")
+    async def completions(req: CompletionRequest, request: Request):
+        job = await state.job("/v1/completions", req, req.max_tokens, req.stop, lambda: state.tokens(req.prompt))
+        head = {"id": oai_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": alias}
+
+        def choice(text: str, finish: str | None) -> dict:
+            return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+        def last(o: Outcome) -> list:
+            out = [{**head, "choices": [choice("", o.finish_reason)], "timings": state.timings(o)}]
+            if req.stream_options and req.stream_options.include_usage:
+                out.append({**head, "choices": [], "usage": state.usage(job, o)})
+            return out
+
+        async with Client(request) as client:
+            run = await state.start(job, client)
+            if req.stream:
+                return stream(run, state, [], lambda s: {**head, "choices": [choice(s, None)]}, last, done=True)
+            o = await state.finish(run, client)
+        return {**head, "choices": [choice(o.text, o.finish_reason)], "usage": state.usage(job, o),
+                "timings": state.timings(o)}
+
+    @router.post("/v1/chat/completions", responses=sse_doc(ChatCompletion), summary="OpenAI chat completion")
+    async def chat_completions(req: ChatRequest, request: Request):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        fmt = state.chat_format()
+        job = await state.job("/v1/chat/completions", req, max_tokens, req.stop, lambda: state.chat_tokens(req),
+                              fmt.stop_tokens)
+        cid, created = oai_id("chatcmpl"), int(time.time())
+        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": alias}
+
+        def delta(d: dict, finish: str | None) -> dict:
+            return {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+
+        def last(o: Outcome) -> list:
+            out = [{**delta({}, o.finish_reason), "timings": state.timings(o)}]
+            if req.stream_options and req.stream_options.include_usage:
+                out.append({**chunk, "choices": [], "usage": state.usage(job, o)})
+            return out
+
+        async with Client(request) as client:
+            run = await state.start(job, client)
+            if req.stream:
+                return stream(run, state, [delta({"role": "assistant", "content": ""}, None)],
+                              lambda s: delta({"content": s}, None), last, done=True)
+            o = await state.finish(run, client)
+        msg = {"role": "assistant", "content": o.text}
+        return {"id": cid, "object": "chat.completion", "created": created, "model": alias,
+                "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": o.finish_reason}],
+                "usage": state.usage(job, o), "timings": state.timings(o)}
+
+    return router

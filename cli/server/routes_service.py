@@ -1,0 +1,52 @@
+"""The service endpoints: GET|HEAD /health and /v1/health (no API key needed), GET /metrics
+(Prometheus), GET /v1/models and /v1/models/{id}."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+
+from .errors import ApiError
+from .schemas import ErrorResponse, Health, ModelCard, ModelList
+from .state import ServerState
+
+
+def service_router(state: ServerState) -> APIRouter:
+    router = APIRouter(tags=["service"])
+    cfg = state.config
+
+    @router.api_route("/health", methods=["GET", "HEAD"], response_model=Health,
+                      summary="liveness (no API key needed); 503 while loading or shutting down")
+    async def health():
+        busy = state.pool.n_busy
+        return {"status": "ok", "slots_idle": len(state.pool.slots) - busy, "slots_processing": busy}
+
+    router.add_api_route("/v1/health", health, methods=["GET", "HEAD"], response_model=Health,
+                         summary="/health, under /v1")
+
+    @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
+    async def metrics():
+        text = state.metrics.render(slots=len(state.pool.slots), busy=state.pool.n_busy,
+                                    waiting=state.pool.n_waiting, queue=cfg.max_queue)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    def card() -> dict:
+        meta = {"n_ctx": state.n_ctx, "n_ctx_train": state.model.n_ctx_train, "n_vocab": state.model.n_vocab,
+                "slots": len(state.pool.slots), "spec_type": list(cfg.spec.types) or ["none"],
+                "spec_types_available": list(cfg.spec_types), "spec_n_max_cap": state.n_max_cap,
+                "chat_template": cfg.chat_format is not None}
+        return {"id": cfg.alias, "object": "model", "created": state.created, "owned_by": "specrun", "meta": meta}
+
+    @router.get("/v1/models", response_model=ModelList, summary="the model served")
+    async def models():
+        return {"object": "list", "data": [card()]}
+
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, summary="the model served, by its id",
+                responses={404: {"model": ErrorResponse, "description": "not the model served"}})
+    async def model(model_id: str):
+        if model_id != cfg.alias:
+            raise ApiError(404, f"model '{model_id}' is not served here; this server serves '{cfg.alias}'",
+                           "model_not_found")
+        return card()
+
+    return router

@@ -1,0 +1,288 @@
+"""What the endpoints share: the server's settings, its slots and metrics, and the steps from a
+request to a running job (validate, prepare the prompt off the event loop, take a slot)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+from fastapi import Request
+
+from specrun.gguf_spec.errors import SpecrunError
+from specrun.kernels.chat_template import TemplateError
+from specrun.kernels.llama import MAX_EXACT_BATCH
+from specrun.kernels.params import SpecParams, parse_spec_types
+from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
+
+from ..runtime.chat import ChatFormat
+from .errors import ApiError, ClientGone
+from .limits import time_limited
+from .metrics import Metrics
+from .schemas import ChatRequest, Speculative
+from .slots import Busy, Drained, Job, Outcome, Run, ShuttingDown, SlotPool
+
+MAX_BODY = 8 << 20            # bytes: --max-body's default
+BODY_TIMEOUT_S = 10.0         # --body-timeout's default
+DRAIN_TIMEOUT_S = 30.0        # --drain-timeout's default
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    alias: str                      # the model's name in responses and /v1/models
+    sampling: SamplingParams        # defaults for fields a request leaves out
+    n_predict: int                  # default max tokens; when > 0 also the most a request gets
+    spec: SpecParams                # the server's --spec-* options
+    spec_types: tuple[str, ...]     # what a request may name in speculative.type ("none" included)
+    max_queue: int
+    api_key: str | None = None
+    chat_format: ChatFormat | None = None     # the chat template bound to the model (chat requests)
+    no_template_reason: str = ""
+    max_body: int = MAX_BODY                  # bytes of a request body; more is a 413
+    body_timeout: float = BODY_TIMEOUT_S      # seconds for a request body to arrive; then a 408
+    drain_timeout: float = DRAIN_TIMEOUT_S    # seconds the runs in flight get to finish on SIGTERM
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """How a shutdown went (the line `specrun serve: stopped ...`)."""
+
+    drained: Drained
+    queued: int                    # waiting requests answered 503 at once
+    refused: int                   # new requests answered 503 while stopping
+    served: int                    # generations that ran to their end since the start
+
+    def line(self) -> str:
+        d = self.drained
+        return (f"{self.served} requests answered; at the signal {d.finished} finished within the drain and "
+                f"{d.interrupted} were interrupted ({d.interrupted_in_prompt} during the prompt); "
+                f"{self.queued} queued and {self.refused} new requests answered 503")
+
+
+class ServerState:
+    """The config, the slots, the metrics, and the request -> job steps the endpoints share."""
+
+    def __init__(self, config: ServerConfig, pool: SlotPool, metrics: Metrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        engine = pool.slots[0].engine
+        self.model = engine.model
+        self.n_ctx = engine.n_ctx
+        self.n_max_cap = min(s.engine.n_max_cap for s in pool.slots)
+        self.exact = engine.params.exact
+        self.created = int(time.time())
+        self.stopping = False
+        self.n_queued_refused = 0
+        self.n_refused = 0
+        pool.on_outcome = metrics.record
+
+    # -- requests -> jobs ----------------------------------------------------------------------
+    def sampling(self, req) -> SamplingParams:
+        d = self.config.sampling
+        seed = d.seed if req.seed is None else (LLAMA_DEFAULT_SEED if req.seed == -1 else req.seed)
+        return SamplingParams(temp=d.temp if req.temperature is None else req.temperature,
+                              top_k=d.top_k if req.top_k is None else req.top_k,
+                              top_p=d.top_p if req.top_p is None else req.top_p,
+                              min_p=d.min_p if req.min_p is None else req.min_p, seed=seed)
+
+    def spec(self, sp: Speculative | None) -> SpecParams | None:
+        if sp is None:
+            return None
+        spec = self.config.spec
+        if sp.type is not None:
+            try:
+                types = parse_spec_types(sp.type)
+            except SpecrunError as e:
+                raise ApiError(400, f"speculative.type: {e}", "unknown_spec_type") from None
+            missing = [t for t in types if t not in self.config.spec_types]
+            if missing:
+                raise ApiError(400, f"speculative.type: {', '.join(missing)} is not available on this server "
+                               f"(available: {', '.join(self.config.spec_types)}); the server builds "
+                               f"draft-simple only with -md DRAFT.gguf and draft-mtp only when started with "
+                               f"--spec-type draft-mtp", "unavailable_spec_type")
+            spec = replace(spec, types=types)
+        spec = replace(spec, n_max=spec.n_max if sp.n_max is None else sp.n_max,
+                       n_min=spec.n_min if sp.n_min is None else sp.n_min,
+                       p_min=spec.p_min if sp.p_min is None else sp.p_min)
+        if any(t != "ngram-simple" for t in spec.types) and spec.n_max > self.n_max_cap:
+            # the engine's rule for model drafters (n-gram drafts are bounded by their size_m), checked
+            # here so that the request never takes a slot
+            why = (f"exact mode verifies at most {MAX_EXACT_BATCH - 1} draft tokens"
+                   if self.exact and self.n_max_cap == MAX_EXACT_BATCH - 1 else "set when the server started")
+            raise ApiError(400, f"speculative.n_max: draft n-max {spec.n_max} is above this server's cap of "
+                           f"{self.n_max_cap} for draft-simple and draft-mtp ({why}); ask for at most "
+                           f"{self.n_max_cap}, or restart the server with a larger --spec-draft-n-max",
+                           "invalid_value")
+        return spec
+
+    def n_predict(self, requested: int | None) -> int:
+        cap = self.config.n_predict
+        if requested is None or requested < 0:
+            return cap
+        return min(requested, cap) if cap > 0 else requested
+
+    def tokens(self, prompt: str | list, add_special: bool = True) -> list[int] | np.ndarray:
+        """A request's prompt -> checked token ids. Tokenizes: call it off the event loop."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: one prompt per request (got {len(prompt)})", "invalid_value")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            toks = self.model.tokenize(prompt, add_special=add_special)
+        else:
+            bad = [t for t in prompt if not 0 <= t < self.model.n_vocab]
+            if bad:
+                raise ApiError(400, f"prompt: token id {bad[0]} is out of the vocabulary (0..{self.model.n_vocab - 1})",
+                               "invalid_value")
+            toks = prompt
+        if len(toks) == 0:
+            raise ApiError(400, "prompt: the prompt is empty (0 tokens)", "invalid_value")
+        if len(toks) >= self.n_ctx:
+            raise ApiError(400, f"the prompt exceeds the context size ({len(toks)} tokens, ctx {self.n_ctx}); "
+                           "shorten it or restart the server with a larger -c", "context_length_exceeded")
+        return toks
+
+    def chat_tokens(self, req: ChatRequest) -> list[int]:
+        """The prompt tokens of a chat request: the conversation through the model's chat template
+        (runtime.chat.ChatFormat, as the REPL renders it), within the template's time limit.
+        Renders and tokenizes: call it off the event loop."""
+        fmt = self.chat_format()
+        messages = []
+        for m in req.messages:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        try:
+            text = time_limited(lambda: fmt.render(messages))
+        except TemplateError as e:
+            raise ApiError(400, f"messages: {e}", "invalid_value") from None
+        return self.tokens(fmt.tokenize(text))
+
+    def chat_format(self) -> ChatFormat:
+        fmt = self.config.chat_format
+        if fmt is None:
+            raise ApiError(400, f"this server has no chat template: {self.config.no_template_reason}; "
+                           "use /v1/completions", "no_chat_template")
+        return fmt
+
+    async def job(self, endpoint: str, req, n_predict: int | None, stop, prompt: Callable[[], list[int]],
+                  stop_tokens: frozenset[int] = frozenset()) -> Job:
+        """Check the request, then prepare its prompt (tokenize, render) in a worker thread, so the
+        event loop keeps answering while a large prompt is tokenized."""
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if len(stop) > 4:
+            raise ApiError(400, f"stop: at most 4 stop strings (got {len(stop)})", "invalid_value")
+        if any(not s for s in stop):
+            raise ApiError(400, "stop: a stop string is empty", "invalid_value")
+        sampling, spec, n = self.sampling(req), self.spec(req.speculative), self.n_predict(n_predict)
+        self.metrics.preparing(+1)
+        try:
+            tokens = await asyncio.to_thread(prompt)
+        finally:
+            self.metrics.preparing(-1)
+        return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens)
+
+    # -- running -----------------------------------------------------------------------------
+    async def start(self, job: Job, client: Client) -> Run:
+        """A slot for job (waiting in the queue if need be). A client that leaves while its request
+        waits gives its place up (ClientGone) and never touches a slot."""
+        acquire = asyncio.ensure_future(self.pool.start(job))
+        gone = asyncio.ensure_future(client.gone.wait())
+        try:
+            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not acquire.done():
+            acquire.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                run = await acquire             # handed a slot just as the cancel came: give it back
+                run.cancel("client")
+            self.metrics.abandoned()
+            raise ClientGone()
+        try:
+            return acquire.result()
+        except Busy as e:
+            raise ApiError(503, str(e), "server_busy", headers={"Retry-After": "1"}) from None
+        except ShuttingDown as e:
+            if not e.queued:
+                self.n_refused += 1
+            raise ApiError(503, str(e), "shutting_down") from None
+
+    async def finish(self, run: Run, client: Client) -> Outcome:
+        """The outcome of a non-streamed run; a client that leaves meanwhile stops it. Engine errors
+        become 400s (their messages are the user's fix); a run the shutdown stopped, a 503."""
+        result = asyncio.ensure_future(run.outcome())
+        gone = asyncio.ensure_future(client.gone.wait())
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                run.cancel("client")
+            try:
+                o = await result
+            except SpecrunError as e:
+                raise ApiError(400, str(e), "invalid_value") from None
+        finally:
+            gone.cancel()
+        if run.shut_down:
+            raise self.shutdown_error(o)
+        return o
+
+    @staticmethod
+    def shutdown_error(o: Outcome) -> ApiError:
+        where = "during the prompt" if o.stats.n_gen == 0 else f"after {len(o.tokens)} tokens"
+        return ApiError(503, f"the server is shutting down: this generation was stopped {where} when the drain "
+                        "timeout (--drain-timeout) expired; retry on another server", "shutting_down")
+
+    # -- shutdown ------------------------------------------------------------------------------
+    async def shut_down(self) -> Drained:
+        """SIGTERM: new requests get 503 (Guard), the queue is answered 503 at once, the runs in flight
+        get the drain timeout to finish, then are stopped (at the next prompt chunk or target pass)."""
+        self.stopping = True
+        self.n_queued_refused = self.pool.begin_shutdown()
+        return await self.pool.drain(self.config.drain_timeout)
+
+    def stopped(self, drained: Drained) -> Stopped:
+        return Stopped(drained, self.n_queued_refused, self.n_refused, self.metrics.n_finished)
+
+    # -- output shapes --------------------------------------------------------------------------
+    @staticmethod
+    def timings(o: Outcome) -> dict:
+        st = o.stats
+        pm, gm = st.t_prompt_s * 1e3, st.t_gen_s * 1e3
+        return {"prompt_n": st.n_prompt, "prompt_ms": pm,
+                "prompt_per_token_ms": pm / st.n_prompt if st.n_prompt else 0.0,
+                "prompt_per_second": st.prompt_tps, "predicted_n": st.n_gen, "predicted_ms": gm,
+                "predicted_per_token_ms": gm / st.n_gen if st.n_gen else 0.0,
+                "predicted_per_second": st.gen_tps, "draft_n": st.n_drafted, "draft_n_accepted": st.n_accepted,
+                "drafts": sum(d.n_gen_drafts for d in st.drafters)}
+
+    @staticmethod
+    def usage(job: Job, o: Outcome) -> dict:
+        return {"prompt_tokens": len(job.prompt), "completion_tokens": len(o.tokens),
+                "total_tokens": len(job.prompt) + len(o.tokens)}
+
+
+class Client:
+    """Watches a request's connection: `gone` is set when the client disconnects. Only for requests
+    whose body has been read (the watcher consumes what receive() gives)."""
+
+    def __init__(self, request: Request) -> None:
+        self.gone = asyncio.Event()
+        self._task = asyncio.ensure_future(self._watch(request.receive))
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+
+    def close(self) -> None:
+        self._task.cancel()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
