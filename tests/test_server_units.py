@@ -160,6 +160,21 @@ def test_shutdown_answers_the_queue_then_drains_and_interrupts_the_rest():
     asyncio.run(scenario())
 
 
+def test_a_second_signal_interrupts_the_drain_at_once():
+    async def scenario():
+        pool = SlotPool([FakeEngine()], max_queue=1)
+        pool.loop = asyncio.get_running_loop()
+        run = FakeRun(pool, await pool._acquire([1]), 3600)
+        pool._runs = {run}
+        pool.begin_shutdown()
+        pool.loop.call_later(0.05, pool.cancel_all, "shutdown")
+        drained = await asyncio.wait_for(pool.drain(3600), 30)
+        assert (drained.finished, drained.interrupted, drained.interrupted_in_prompt) == (0, 1, 1)
+        assert run.stopped_by == "shutdown"
+
+    asyncio.run(scenario())
+
+
 def test_drain_with_nothing_in_flight_returns_at_once():
     async def scenario():
         pool = SlotPool([FakeEngine()], max_queue=1)

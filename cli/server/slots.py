@@ -262,10 +262,10 @@ class SlotPool:
 
     async def drain(self, timeout: float) -> Drained:
         """Wait up to timeout seconds for the runs in flight to end, then cancel the rest and wait
-        for them (each stops at its next prompt chunk or target pass). Call after begin_shutdown."""
+        for them (each stops at its next prompt chunk or target pass). Call after begin_shutdown;
+        cancel_all("shutdown") meanwhile (a second signal) ends it early."""
         end = self.loop.time() + timeout if self.loop else 0.0
         seen: set[Run] = set()
-        stopped: set[Run] = set()
         while self.n_busy:
             runs = [r for r in self._runs if not r.ended.done()]
             seen.update(runs)
@@ -278,11 +278,10 @@ class SlotPool:
                 continue
             for r in runs:
                 r.cancel("shutdown")
-                stopped.add(r)
             await asyncio.wait([r.ended for r in runs])
-        stopped = {r for r in stopped if r.shut_down}     # a run may have ended just as it was cancelled
+        stopped = [r for r in seen if r.shut_down]     # a run may have ended just as it was cancelled
         in_prompt = sum(1 for r in stopped if r.result.stats.n_gen == 0)
-        return Drained(len(seen - stopped), len(stopped), in_prompt)
+        return Drained(len(seen) - len(stopped), len(stopped), in_prompt)
 
     def cancel_all(self, reason: str = "shutdown") -> None:
         for r in list(self._runs):
