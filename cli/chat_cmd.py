@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import click
 
-from .repl import chat_loop
+from .repl import Conversation, chat_loop
 from .runtime.console import handle_errors
-from .runtime.options import model_options, sampling_options, spec_options
+from .runtime.options import (
+    chat_options,
+    chat_template_choice,
+    model_options,
+    read_system_prompt,
+    sampling_options,
+    spec_options,
+)
 
 
 @click.command("chat")
 @model_options
 @spec_options
 @sampling_options
-@click.option("-sys", "--system-prompt", "system_prompt", default=None, help="the system message")
-@click.option("--chat-template", "chat_template", default=None, metavar="FILE",
-              help="a Jinja chat template file instead of the model's own")
+@chat_options
 @click.option("-q", "--quiet", is_flag=True, help="no statistics line after each answer")
 @handle_errors
-def chat(system_prompt, chat_template, quiet, **kw):
-    """Chat with a model (line editing, history, /help for the slash commands)."""
-    chat_loop(kw, system_prompt, chat_template, quiet)
+def chat(quiet, **kw):
+    """Chat with a model (line editing, history, /help for the slash commands). Without -m:
+    smollm2-135m-instruct, the known model that has a chat template."""
+    tmpl, tmpl_file = chat_template_choice(kw)
+    chat_loop(kw, Conversation(read_system_prompt(kw), None, tmpl, tmpl_file, kw["single_turn"]), quiet)

@@ -1,7 +1,12 @@
 """`specrun`: one click group. A bare `specrun -m MODEL -p ...` runs the default `run` command,
-as `llama-cli -m MODEL -p ...` does; everything else is a subcommand."""
+as `llama-cli -m MODEL -p ...` does; everything else is a subcommand. Options parse as llama.cpp's:
+`-sys`, `-ngl`, `-fa` are options of their own, and an unknown one (`-foo`) is refused by name,
+never read as `-f oo`."""
 
 from __future__ import annotations
+
+import difflib
+import re
 
 import click
 
@@ -16,7 +21,37 @@ class DefaultGroup(click.Group):
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = [self.default_command, *args]
+        if args and args[0] in self.commands:
+            refuse_unknown_multiletter(ctx, args[0], self.commands[args[0]], args[1:])
         return super().parse_args(ctx, args)
+
+
+_NUMBER = re.compile(r"-\d|-\.\d")
+
+
+def refuse_unknown_multiletter(ctx: click.Context, name: str, cmd: click.Command, args: list[str]) -> None:
+    """llama.cpp never bundles short options: `-sys` is one option or none. click would read an
+    unknown `-sys` as `-s ys` ("Invalid value for '-s'"), so refuse it here by its own name."""
+    sub = click.Context(cmd, info_name=name, parent=ctx)
+    values: dict[str, int] = {}             # option name -> values it takes
+    for p in cmd.get_params(sub):
+        if isinstance(p, click.Option):
+            n = 0 if p.is_flag or p.count else p.nargs
+            values.update({o: n for o in p.opts}, **{o: 0 for o in p.secondary_opts})
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if tok == "--":
+            return
+        opt = tok.split("=", 1)[0]
+        if opt in values:
+            i += 1 + (values[opt] if "=" not in tok else 0)
+            continue
+        if tok.startswith("-") and not tok.startswith("--") and len(opt) > 2 and not _NUMBER.match(tok):
+            near = difflib.get_close_matches(opt, list(values), n=3)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise click.UsageError(f"No such option: {opt}{hint}", ctx=sub)
+        i += 1
 
 
 _HELP = f"""Run GGUF models with lossless speculative decoding.

@@ -6,17 +6,19 @@ runtime.chat.ChatSession."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from specrun.gguf_spec.errors import SpecrunError
+from specrun.kernels.engine import resolve_seed
+from specrun.kernels.types import LLAMA_DEFAULT_SEED
 
 from .runtime.auto import resolve_auto
 from .runtime.chat import ChatFormat, ChatSession, Turn
-from .runtime.console import err_console, setup_logging
+from .runtime.console import SoftInterrupt, err_console, exit_on_interrupt, setup_logging
 from .runtime.loading import open_engine
-from .runtime.options import AUTO, engine_params, sampling_params
+from .runtime.options import AUTO, chat_model, engine_params, sampling_params
 
 HELP = """\
 /help          this list
@@ -85,24 +87,17 @@ class LineReader:
             return "\n".join(lines)
 
 
-class _SoftInterrupt:
-    """During an answer, the first Ctrl-C sets a flag (the answer stops at the next accepted
-    tokens, with the engine in a clean state); a second one raises KeyboardInterrupt."""
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """How a conversation starts: the system prompt, a first message to answer before reading any
+    (llama.cpp's -p in conversation mode), the chat template (--chat-template NAME|JINJA|FILE or
+    --chat-template-file), and whether to leave after one answer (-st)."""
 
-    def __init__(self) -> None:
-        self.hit = 0
-
-    def _handler(self, signum, frame) -> None:
-        self.hit += 1
-        if self.hit > 1:
-            raise KeyboardInterrupt
-
-    def __enter__(self) -> _SoftInterrupt:
-        self._prev = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self._prev)
+    system_prompt: str | None = None
+    first_message: str | None = None
+    chat_template: str | None = None
+    chat_template_file: str | None = None
+    single_turn: bool = False
 
 
 def turn_line(turn: Turn) -> str:
@@ -162,10 +157,14 @@ def _command(session: ChatSession, line: str) -> bool:
     return True
 
 
+def _dropped(n: int) -> None:
+    _say(f"context full: dropped the oldest {n} turn(s) to make room; /reset starts over", style="yellow")
+
+
 def _answer(session: ChatSession, text: str, quiet: bool) -> None:
     before = session.last
-    with _SoftInterrupt() as intr:
-        it = session.send(text)
+    with SoftInterrupt() as intr:
+        it = session.send(text, on_dropped=_dropped)
         try:
             for piece in it:
                 sys.stdout.write(piece)
@@ -182,9 +181,6 @@ def _answer(session: ChatSession, text: str, quiet: bool) -> None:
     turn = session.last
     if turn is None or turn is before:
         return
-    if turn.n_dropped:
-        _say(f"context full: dropped the oldest {turn.n_dropped} turn(s) to make room; /reset starts over",
-             style="yellow")
     if turn.stop == "ctx":
         _say(f"the context is full ({session.engine.n_ctx} tokens): the next message drops the oldest "
              "turns; /reset starts over (or raise -c)", style="yellow")
@@ -192,23 +188,34 @@ def _answer(session: ChatSession, text: str, quiet: bool) -> None:
         _say(turn_line(turn), style="dim")
 
 
-def chat_loop(kw: dict, system_prompt: str | None, chat_template: str | None, quiet: bool) -> None:
-    """The REPL of `specrun chat` and `specrun -cnv`; kw: the command's model/spec/sampling options."""
+def chat_loop(kw: dict, conv: Conversation, quiet: bool) -> None:
+    """The REPL of `specrun chat` and `specrun -cnv`; kw: the command's model/spec/sampling options.
+    Without -m, the registry model that has a chat template. One random seed (printed before the
+    first answer) serves the whole session, so a sampled conversation can be replayed with --seed."""
     setup_logging(kw["verbose"])
     sampling = sampling_params(kw)
+    seed_line = None                 # said before the first answer, the one place it matters
+    if sampling.seed == LLAMA_DEFAULT_SEED and not sampling.greedy:
+        sampling = resolve_seed(sampling)
+        seed_line = f"sampler seed: {sampling.seed}"
     params = engine_params(kw)
-    interactive = sys.stdin.isatty()
-    with open_engine(kw["model"], params) as engine:
+    first = conv.first_message
+    interactive = sys.stdin.isatty() and not (conv.single_turn and first is not None)
+    with open_engine(chat_model(kw), params) as engine:
         if params.spec.types == AUTO:
-            engine.set_spec(resolve_auto(engine, params.spec))
-        fmt = ChatFormat.load(engine.model, chat_template)
-        session = ChatSession(engine, fmt, sampling, kw["n_predict"], system_prompt)
+            with exit_on_interrupt():
+                engine.set_spec(resolve_auto(engine, params.spec))
+        fmt = ChatFormat.load(engine.model, conv.chat_template, conv.chat_template_file)
+        session = ChatSession(engine, fmt, sampling, kw["n_predict"], conv.system_prompt)
         reader = LineReader(interactive)
         if interactive and not quiet:
             _say(f"chatting with {Path(engine.model.path).name}; /help for commands, Ctrl-D or /exit to leave",
                  style="dim")
         while True:
-            line = reader.read()
+            if first is not None:
+                line, first = first, None
+            else:
+                line = reader.read()
             if line is None:
                 break
             if not line.strip():
@@ -218,6 +225,11 @@ def chat_loop(kw: dict, system_prompt: str | None, chat_template: str | None, qu
                     if not _command(session, line):
                         break
                 else:
+                    if seed_line:
+                        _say(seed_line, style="dim")
+                        seed_line = None
                     _answer(session, line, quiet)
             except SpecrunError as e:        # one line; the session goes on
                 _say(f"error: {e}", style="red")
+            if conv.single_turn and not line.startswith("/"):
+                break

@@ -1,4 +1,9 @@
-"""`specrun run` (the default command): one-shot generation, streamed to stdout."""
+"""`specrun run` (the default command): one-shot generation, streamed to stdout; with -cnv (or a
+conversation flag such as -sys), llama-cli's conversation mode, i.e. `specrun chat`.
+
+Exits as llama.cpp's: 0 when the text is done; 130 with "interrupted" (and the statistics once
+generation has begun) on Ctrl-C; 141, quietly and with the statistics, when stdout's reader has
+gone (`| head`); 1 with one line for an error."""
 
 from __future__ import annotations
 
@@ -7,64 +12,139 @@ import sys
 
 import click
 
-from .repl import chat_loop
+from specrun.kernels.types import LLAMA_DEFAULT_SEED
+
+from .repl import Conversation, chat_loop
 from .runtime.auto import resolve_auto
-from .runtime.console import err_console, handle_errors, setup_logging
+from .runtime.console import (
+    SoftInterrupt,
+    err_console,
+    exit_broken_pipe,
+    exit_interrupted,
+    exit_on_interrupt,
+    handle_errors,
+    note,
+    setup_logging,
+)
 from .runtime.loading import open_engine
 from .runtime.options import (
     AUTO,
+    chat_options,
+    chat_template_choice,
     engine_params,
     model_options,
+    read_system_prompt,
     sampling_options,
     sampling_params,
     spec_options,
 )
-from .runtime.prompts import read_prompt
+from .runtime.prompts import process_escapes, read_prompt
 from .runtime.text import TextRun
+
+_CHAT_FLAGS = {"system_prompt": "-sys", "system_prompt_file": "-sysf", "single_turn": "-st",
+               "chat_template": "--chat-template", "chat_template_file": "--chat-template-file"}
 
 
 @click.command("run")
 @model_options
 @spec_options
 @sampling_options
+@chat_options
 @click.option("-p", "--prompt", default=None, help="the prompt text")
-@click.option("-f", "--file", "file", default=None, help="read the prompt from a file")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, tokens, stats) instead")
-@click.option("-cnv", "--conversation", is_flag=True,
-              help="chat interactively, as `specrun chat` (-p/-f then give the system prompt)")
+@click.option("-f", "--file", "file", default=None, help="read the prompt from a file (- for stdin)")
+@click.option("-e", "--escape/--no-escape", "escape", default=True, show_default=True,
+              help="process escapes (\\n, \\r, \\t, \\', \\\", \\\\, \\xNN) in -p/-f and -r, as llama.cpp")
+@click.option("-r", "--reverse-prompt", "reverse_prompt", multiple=True, metavar="PROMPT",
+              help="stop when the text reaches PROMPT (printed, as llama.cpp; repeatable)")
+@click.option("--keep", type=int, default=None, help="accepted; specrun does not shift the context")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, tokens, stop, stats) instead")
+@click.option("-cnv/-no-cnv", "--conversation/--no-conversation", "conversation", default=None,
+              help="chat interactively, as `specrun chat`; implied by -sys, -sysf, -st and --chat-template "
+                   "(-p/-f: the first message with -sys or -st, else the system prompt)")
 @handle_errors
-def run(prompt, file, as_json, conversation, **kw):
+def run(prompt, file, escape, reverse_prompt, keep, as_json, conversation, **kw):
     """Generate text from a prompt (streamed to stdout; statistics on stderr)."""
-    if conversation:
-        if as_json:
-            raise click.UsageError("--json and -cnv/--conversation do not go together")
-        system = read_prompt(prompt, file) if prompt is not None or file is not None else None
-        return chat_loop(kw, system_prompt=system, chat_template=None, quiet=False)
+    chat_flags = [flag for key, flag in _CHAT_FLAGS.items() if kw.get(key)]
+    if keep is not None:
+        note(f"--keep {keep}: no effect; specrun does not shift the context: run stops at a full context, and "
+             "chat drops whole turns (the system prompt stays)")
+    if conversation or (conversation is None and chat_flags):
+        return _conversation(prompt, file, escape, reverse_prompt, as_json, kw)
+    if chat_flags:
+        note(f"{', '.join(chat_flags)}: ignored without conversation mode (-no-cnv)")
     setup_logging(kw["verbose"])
-    text = read_prompt(prompt, file)
+    text = read_prompt(prompt, file, escape=escape)
+    stops = tuple(process_escapes(r) if escape else r for r in reverse_prompt)
     sampling = sampling_params(kw)
     params = engine_params(kw)
     with open_engine(kw["model"], params) as engine:
         prompt_tokens = engine.tokenize(text)
         if params.spec.types == AUTO:
-            engine.set_spec(resolve_auto(engine, params.spec, prompt_tokens))
-        run = TextRun(engine.generate(prompt_tokens, kw["n_predict"], sampling), engine.model)
-        try:
-            for piece in run:
-                if not as_json:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            run.close()
+            with exit_on_interrupt():
+                engine.set_spec(resolve_auto(engine, params.spec, prompt_tokens))
+        with SoftInterrupt() as intr:
+            gen = engine.generate(prompt_tokens, kw["n_predict"], sampling, cancel=lambda: intr.hit > 0)
+            if sampling.seed == LLAMA_DEFAULT_SEED and not sampling.greedy and not as_json:
+                err_console.print(f"sampler seed: {gen.stats.seed}", style="dim", markup=False)
+            run = TextRun(gen, engine.model, stops=stops)
+            out = _Stdout(enabled=not as_json)
+            try:
+                for piece in run:
+                    out.write(piece)
+                    if out.broken:
+                        break
+            except KeyboardInterrupt:        # a second Ctrl-C: stop here
+                pass
+            finally:
+                run.close()
         c = run.result
+        shown = c.text + (c.stopping_word if c.stop == "word" else "")   # llama.cpp prints the reverse prompt
         if as_json:
-            json.dump({"text": c.text, "tokens": c.tokens, "n_prompt": len(prompt_tokens),
-                       "stats": c.stats.to_dict()}, sys.stdout)
-            sys.stdout.write("\n")
+            out.enabled = True
+            out.write(json.dumps({"text": shown, "tokens": c.tokens, "n_prompt": len(prompt_tokens), "stop": c.stop,
+                                  "stats": c.stats.to_dict()}) + "\n")
         else:
-            sys.stdout.write("\n")
+            out.write(shown[len(c.text):] + "\n")
+        if c.stop == "ctx":
+            note(f"context full ({engine.n_ctx} tokens) => stopping; raise -c for a longer text")
+        for line in c.stats.lines():
+            err_console.print(line, markup=False, soft_wrap=True)
+    if out.broken:
+        exit_broken_pipe()
+    if intr.hit or c.stop == "interrupted":
+        exit_interrupted()
+
+
+class _Stdout:
+    """stdout for the generated text; once its reader has gone (`| head`), writes stop and
+    `broken` is set, so the statistics still reach stderr before the quiet exit."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.broken = False
+
+    def write(self, text: str) -> None:
+        if not self.enabled or self.broken or not text:
+            return
+        try:
+            sys.stdout.write(text)
             sys.stdout.flush()
-            for line in c.stats.lines():
-                err_console.print(line, markup=False, soft_wrap=True)
+        except BrokenPipeError:
+            self.broken = True
+
+
+def _conversation(prompt, file, escape, reverse_prompt, as_json, kw) -> None:
+    """-cnv: llama.cpp's -p is the first message (with -sys, or -st); without them it stays the
+    system prompt, specrun's earlier meaning."""
+    if as_json:
+        raise click.UsageError("--json and -cnv/--conversation do not go together")
+    if reverse_prompt:
+        note("-r: not applied in conversation mode; an answer ends at the chat template's end of turn")
+    text = read_prompt(prompt, file, escape=escape) if prompt is not None or file is not None else None
+    system, first = read_system_prompt(kw), None
+    if system is not None or kw["single_turn"]:
+        first = text
+    else:
+        system = text
+    tmpl, tmpl_file = chat_template_choice(kw)
+    chat_loop(kw, Conversation(system, first, tmpl, tmpl_file, kw["single_turn"]), quiet=False)

@@ -213,6 +213,42 @@ def test_full_context_drops_the_oldest_turns(smollm_path):
         assert chat(s, ["Hi"])[0].tokens                      # and the session goes on
 
 
+@pytest.mark.slow
+def test_full_context_keeps_the_turn_a_follow_up_refers_to(smollm_path):
+    """Older turns go to leave -n for the answer; the turn just before the new message stays while
+    at least min(-n, ctx / 16) tokens are left, and the drop is reported before the answer begins."""
+    with Engine(str(smollm_path), EngineParams(n_ctx=512)) as e:
+        s = ChatSession(e, template_for(e.model), GREEDY, 100)          # reserve 100, least 32
+        follow_up = {"role": "user", "content": "Which fruit did I name first?"}
+        older = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi! " * 40}]
+        for k in range(10, 200):
+            last = [{"role": "user", "content": "Remember: " + "apple banana cherry " * k},
+                    {"role": "assistant", "content": "I will remember them."}]
+            n = len(s.prompt_for([*last, follow_up])[0])
+            if 512 - 100 < n <= 512 - 32:
+                break
+        assert 512 - 100 < n <= 512 - 32
+        s.messages = [*older, *last]
+        events = []
+        for piece in s.send(follow_up["content"], on_dropped=lambda k: events.append(("dropped", k))):
+            events.append(("piece", piece))
+        assert events[0] == ("dropped", 1) and len(events) > 1
+        assert s.last.n_dropped == 1
+        assert s.messages[:3] == [*last, follow_up]                     # the referent stayed
+
+
+@pytest.mark.slow
+def test_repl_says_context_full_before_the_answer():
+    long = " ".join(["apple banana cherry"] * 34)
+    notice = "context full: dropped the oldest 1 turn(s) to make room; /reset starts over\n"
+    r = invoke("chat", "-m", "smollm2-135m-instruct", "-c", "256", "--temp", "0", "-n", "8", "-q",
+               input=f"{long}\nAgain: {long}\n")
+    assert r.exit_code == 0, r.output
+    assert r.stderr == notice
+    first, rest = r.output.split(notice)
+    assert first + rest == r.stdout and first.endswith("\n") and rest.strip()   # between the answers
+
+
 # ---- the REPL with piped input -----------------------------------------------------------------
 
 def invoke(*args: str, input: str):

@@ -15,11 +15,12 @@ only the new text is tokenized and appended to them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from specrun.gguf_spec.errors import SpecrunError
-from specrun.kernels.chat_template import ChatTemplate, template_for
+from specrun.kernels.chat_template import ChatTemplate, TemplateError, template_for
 from specrun.kernels.engine import Engine
 from specrun.kernels.llama import Model
 from specrun.kernels.params import parse_spec_types
@@ -53,9 +54,10 @@ class ChatFormat:
         return cls(template, model, _turn_stop_tokens(template, model))
 
     @classmethod
-    def load(cls, model: Model, override_path: str | None = None) -> ChatFormat:
-        """The model's own template, or the Jinja file given with --chat-template."""
-        return cls.of(template_for(model, override_path), model)
+    def load(cls, model: Model, override: str | None = None, file: str | None = None) -> ChatFormat:
+        """The model's own template; or override (--chat-template): one of llama.cpp's built-in
+        names, Jinja text, or a file path; or file (--chat-template-file)."""
+        return cls.of(chat_template(model, override, file), model)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)
@@ -71,6 +73,143 @@ class ChatFormat:
         """The tokens and text of messages rendered with the generation prompt."""
         text = self.render(messages)
         return self.tokenize(text), text
+
+
+# ---- llama.cpp's built-in templates (src/llama-chat.cpp, llm_chat_apply_template) as Jinja ---------
+
+def _turns(system: tuple[str, str], user: tuple[str, str], assistant: tuple[str, str], gen: str = "", *,
+           trim: bool = False, head: str = "") -> str:
+    """Jinja for a template that writes head, then each message as before + content + after by its
+    role, then gen when a generation prompt is asked for."""
+    c = "(m.content | trim)" if trim else "m.content"
+    out = [f"{{{{ {head!r} }}}}" if head else "", "{%- for m in messages -%}"]
+    for i, (role, (before, after)) in enumerate((("system", system), ("user", user), ("assistant", assistant))):
+        out.append(f"{{%- {'el' * (i > 0)}if m.role == {role!r} -%}}{{{{ {before!r} + {c} + {after!r} }}}}")
+    out.append(f"{{%- endif -%}}{{%- endfor -%}}{{%- if add_generation_prompt -%}}{{{{ {gen!r} }}}}{{%- endif -%}}")
+    return "".join(out)
+
+
+def _tags(open_: str, close: str, gen: str, **kw) -> str:
+    """Each message as open_ (with {role}) + content + close (ChatML and its relatives)."""
+    return _turns(*((open_.format(role=r), close) for r in ("system", "user", "assistant")), gen, **kw)
+
+
+def _llama2(system: bool, bos_inside: bool, strip: bool) -> str:
+    c = "(m.content | trim)" if strip else "m.content"
+    sys_ = "'<<SYS>>\\n' + c + '\\n<</SYS>>\\n\\n'" if system else "c + '\\n'"
+    again = "<s>[INST] " if bos_inside else "[INST] "
+    return ("{%- set ns = namespace(inside=true) -%}{{ '[INST] ' }}{%- for m in messages -%}"
+            f"{{%- set c = {c} -%}}"
+            f"{{%- if not ns.inside -%}}{{%- set ns.inside = true -%}}{{{{ {again!r} }}}}{{%- endif -%}}"
+            f"{{%- if m.role == 'system' -%}}{{{{ {sys_} }}}}"
+            "{%- elif m.role == 'user' -%}{{ c + ' [/INST]' }}"
+            "{%- else -%}{{ c + '</s>' }}{%- set ns.inside = false -%}{%- endif -%}{%- endfor -%}")
+
+
+def _mistral(lead: str, trail: str, trim_answer: bool) -> str:
+    answer = "(m.content | trim)" if trim_answer else "m.content"
+    return ("{%- set ns = namespace(inside=false) -%}{%- for m in messages -%}"
+            f"{{%- if not ns.inside -%}}{{{{ {lead + '[INST]' + trail!r} }}}}{{%- set ns.inside = true -%}}{{%- endif -%}}"
+            "{%- if m.role == 'system' -%}{{ m.content + '\\n\\n' }}"
+            f"{{%- elif m.role == 'user' -%}}{{{{ m.content + {lead + '[/INST]'!r} }}}}"
+            f"{{%- else -%}}{{{{ {trail!r} + {answer} + '</s>' }}}}{{%- set ns.inside = false -%}}{{%- endif -%}}"
+            "{%- endfor -%}")
+
+
+_GEMMA = ("{%- set ns = namespace(sys='') -%}{%- for m in messages -%}"
+          "{%- if m.role == 'system' -%}{%- set ns.sys = ns.sys + (m.content | trim) -%}"
+          "{%- else -%}{%- set role = 'model' if m.role == 'assistant' else m.role -%}"
+          "{{ '<start_of_turn>' + role + '\\n' }}"
+          "{%- if ns.sys and role != 'model' -%}{{ ns.sys + '\\n\\n' }}{%- set ns.sys = '' -%}{%- endif -%}"
+          "{{ (m.content | trim) + '<end_of_turn>\\n' }}{%- endif -%}{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+
+_RWKV = ("{%- for m in messages -%}{%- set c = m.content | trim -%}"
+         "{%- if m.role == 'system' -%}{{ 'System: ' + c + '\\n\\n' }}"
+         "{%- elif m.role == 'user' -%}{{ 'User: ' + c + '\\n\\n' }}{%- if loop.last -%}{{ 'Assistant:' }}{%- endif -%}"
+         "{%- else -%}{{ 'Assistant: ' + c + '\\n\\n' }}{%- endif -%}{%- endfor -%}")
+
+_MONARCH = ("{%- for m in messages -%}{{ ('' if loop.first else '<s>') + m.role + '\\n' + m.content + '</s>\\n' }}"
+            "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<s>assistant\\n' }}{%- endif -%}")
+
+_EOS_DS = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+_GRANITE = _tags("<|start_of_role|>{role}<|end_of_role|>", "<|end_of_text|>\n", "<|start_of_role|>assistant<|end_of_role|>")
+_EXAONE = _turns(("[|system|]", "[|endofturn|]\n"), ("[|user|]", "\n"), ("[|assistant|]", "[|endofturn|]\n"),
+                 "[|assistant|]", trim=True)
+
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": _tags("<|im_start|>{role}\n", "<|im_end|>\n", "<|im_start|>assistant\n"),
+    "llama2": _llama2(system=False, bos_inside=False, strip=False),
+    "llama2-sys": _llama2(system=True, bos_inside=False, strip=False),
+    "llama2-sys-bos": _llama2(system=True, bos_inside=True, strip=False),
+    "llama2-sys-strip": _llama2(system=True, bos_inside=False, strip=True),
+    "mistral-v1": _mistral(" ", " ", False),
+    "mistral-v3": _mistral("", " ", True),
+    "mistral-v3-tekken": _mistral("", "", False),
+    "mistral-v7": _turns(("[SYSTEM_PROMPT] ", "[/SYSTEM_PROMPT]"), ("[INST] ", "[/INST]"), (" ", "</s>")),
+    "mistral-v7-tekken": _turns(("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"), ("[INST]", "[/INST]"), ("", "</s>")),
+    "phi3": _tags("<|{role}|>\n", "<|end|>\n", "<|assistant|>\n"),
+    "phi4": _tags("<|im_start|>{role}<|im_sep|>", "<|im_end|>", "<|im_start|>assistant<|im_sep|>"),
+    "falcon3": _tags("<|{role}|>\n", "\n", "<|assistant|>\n"),
+    "zephyr": _tags("<|{role}|>\n", "<|endoftext|>\n", "<|assistant|>\n"),
+    "monarch": _MONARCH,
+    "gemma": _GEMMA,
+    "openchat": _turns(("", "<|end_of_turn|>"), ("GPT4 Correct User: ", "<|end_of_turn|>"),
+                       ("GPT4 Correct Assistant: ", "<|end_of_turn|>"), "GPT4 Correct Assistant:"),
+    "vicuna": _turns(("", "\n\n"), ("USER: ", "\n"), ("ASSISTANT: ", "</s>\n"), "ASSISTANT:"),
+    "vicuna-orca": _turns(("SYSTEM: ", "\n"), ("USER: ", "\n"), ("ASSISTANT: ", "</s>\n"), "ASSISTANT:"),
+    "deepseek": _turns(("", ""), ("### Instruction:\n", "\n"), ("### Response:\n", "\n<|EOT|>\n"), "### Response:\n"),
+    "deepseek2": _turns(("", "\n\n"), ("User: ", "\n\n"), ("Assistant: ", _EOS_DS), "Assistant:"),
+    "deepseek3": _turns(("", "\n\n"), ("<\uff5cUser\uff5c>", ""), ("<\uff5cAssistant\uff5c>", _EOS_DS),
+                        "<\uff5cAssistant\uff5c>"),
+    "command-r": _turns(("<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+                        ("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+                        ("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+                        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", trim=True),
+    "llama3": _tags("<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>",
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n", trim=True),
+    "chatglm3": _tags("<|{role}|>\n ", "", "<|assistant|>", head="[gMASK]sop"),
+    "chatglm4": _tags("<|{role}|>\n", "", "<|assistant|>\n", head="[gMASK]<sop>"),
+    "glmedge": _tags("<|{role}|>\n", "", "<|assistant|>"),
+    "minicpm": _turns(("", ""), ("<\u7528\u6237>", "<AI>"), ("", ""), trim=True),
+    "exaone3": _EXAONE,
+    "exaone4": _EXAONE,
+    "exaone-moe": _tags("<|{role}|>\n", "<|endofturn|>\n", "<|assistant|>\n", trim=True),
+    "rwkv-world": _RWKV,
+    "granite": _GRANITE,
+    "granite-4.0": _GRANITE,
+    "granite-4.1": _GRANITE,
+}
+
+# every name llama.cpp 0.3.36 knows (llama_chat_builtin_templates); those above render here
+LLAMA_TEMPLATE_NAMES = (
+    "bailing", "bailing-think", "bailing2", "chatglm3", "chatglm4", "chatml", "command-r", "deepseek", "deepseek-ocr",
+    "deepseek2", "deepseek3", "exaone-moe", "exaone3", "exaone4", "falcon3", "gemma", "gigachat", "glmedge", "gpt-oss",
+    "granite", "granite-4.0", "granite-4.1", "grok-2", "hunyuan-dense", "hunyuan-moe", "hunyuan-vl", "kimi-k2",
+    "llama2", "llama2-sys", "llama2-sys-bos", "llama2-sys-strip", "llama3", "llama4", "megrez", "minicpm",
+    "mistral-v1", "mistral-v3", "mistral-v3-tekken", "mistral-v7", "mistral-v7-tekken", "monarch", "openchat", "orion",
+    "pangu-embedded", "phi3", "phi4", "rwkv-world", "seed_oss", "smolvlm", "solar-open", "vicuna", "vicuna-orca",
+    "yandex", "zephyr")
+
+
+def chat_template(model: Model, override: str | None = None, file: str | None = None) -> ChatTemplate:
+    """The model's own template; or --chat-template (override): one of llama.cpp's built-in names,
+    Jinja text (as llama.cpp takes it), or a file path (specrun's earlier meaning); or
+    --chat-template-file (file). Raises TemplateError, one line."""
+    if file is not None:
+        return template_for(model, file)
+    if override is None:
+        return template_for(model)
+    if override in BUILTIN_TEMPLATES or "{{" in override or "{%" in override:
+        return ChatTemplate(BUILTIN_TEMPLATES.get(override, override), model.token_text(model.bos),
+                            model.token_text(model.eos))
+    if override in LLAMA_TEMPLATE_NAMES:
+        raise TemplateError(f"llama.cpp's built-in template '{override}' is not carried by specrun, which renders "
+                            "templates with Jinja; give the model's Jinja template with --chat-template-file FILE")
+    if not os.path.exists(override) and os.sep not in override and "." not in override:
+        raise TemplateError(f"--chat-template {override}: not a built-in template name "
+                            f"({', '.join(BUILTIN_TEMPLATES)}), Jinja text, or a file")
+    return template_for(model, override)
 
 
 def _turn_stop_tokens(template: ChatTemplate, model: Model) -> frozenset[int]:
@@ -194,27 +333,33 @@ class ChatSession:
 
     def _fit(self, messages: list[dict]) -> tuple[list[int], str, int]:
         """Drop the oldest turns (user message and its answers) until the prompt leaves room
-        for an answer, as llama-cli's context shift; the system prompt and the new message stay."""
+        for an answer (_reserve), as llama-cli's context shift; the system prompt and the new
+        message stay. The turn just before the new message, which a follow-up may refer to, is
+        not dropped for that room: only when fewer than min(_reserve, n_ctx / 16) tokens would be
+        left for the answer."""
         n_ctx, reserve, dropped = self.engine.n_ctx, self._reserve(), 0
+        least = max(1, min(reserve, n_ctx // 16))
         while True:
             tokens, text = self.prompt_for(messages)
-            if len(tokens) + reserve <= n_ctx:
-                return tokens, text, dropped
             users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            room = n_ctx - len(tokens)
+            if room >= reserve or (len(users) == 2 and room >= least) or (len(users) < 2 and room > 0):
+                return tokens, text, dropped
             if len(users) < 2:
-                if len(tokens) < n_ctx:
-                    return tokens, text, dropped
                 raise ContextFull(f"the message does not fit in the context ({len(tokens)} tokens, "
                                   f"ctx {n_ctx}); shorten it or raise -c")
             del messages[users[0]:users[1]]
             dropped += 1
 
     # -- turns -------------------------------------------------------------------------------
-    def send(self, text: str) -> Iterator[str]:
-        """Add a user message and yield the answer's text as the engine accepts it."""
+    def send(self, text: str, on_dropped: Callable[[int], None] | None = None) -> Iterator[str]:
+        """Add a user message and yield the answer's text as the engine accepts it. on_dropped(n)
+        is called before the answer begins when n of the oldest turns were dropped to fit."""
         before = self.messages
         messages = [*before, {"role": "user", "content": text}]
         tokens, rendered, dropped = self._fit(messages)
+        if dropped and on_dropped is not None:
+            on_dropped(dropped)
         self.messages = messages
         run = TextRun(self.engine.generate(tokens, self.n_predict, self.sampling), self.engine.model,
                       stop_tokens=self.stop_tokens)

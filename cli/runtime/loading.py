@@ -3,8 +3,9 @@
 Every check happens here, once, for run, chat, serve and bench alike: model names resolve to
 files (registry names are assembled on first use), each GGUF is read by gguf_spec first (a precise
 one-line error for a file llama.cpp would only call unloadable), an MTP-only file is refused as
-the main model, `--spec-type auto` becomes every type the files allow, and the exact-mode caveat
-for F16/F32 weights is attached for the stats line.
+the main model, `-md` without `--spec-type` takes the type its file holds (said on stderr),
+`--spec-type auto` becomes every type the files allow, and the exact-mode caveat for F16/F32
+weights is attached for the stats line. While llama.cpp loads, Ctrl-C exits 130 at once.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from specrun.gguf_spec.spec import ModelSpec, load_spec
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams
 
-from .console import err_console, resolve
-from .options import AUTO
+from .console import err_console, exit_on_interrupt, note, resolve
+from .options import AUTO, INFER
 
 
 def available_types(model_path: str | os.PathLike, draft_path: str | os.PathLike | None) -> tuple[str, ...]:
@@ -51,18 +52,41 @@ def float_weight_caveat(spec: ModelSpec) -> str | None:
             "decoding by rounding (`specrun check-exact` measures it); quantized weights are bit-exact")
 
 
+def draft_types(params: EngineParams, draft: ModelSpec | None, draft_name: str) -> tuple[str, ...]:
+    """The spec types to run: those given, or, without --spec-type (INFER), the one -md's file holds
+    (MTP heads: draft-mtp; a whole model: draft-simple), said in one line on stderr, as llama.cpp
+    infers it from the draft GGUF; none without -md. An -md that the given types never use is noted."""
+    types = params.spec.types
+    if types == INFER:
+        if draft is None:
+            return ()
+        heads = draft.has_mtp and not draft.has_trunk
+        inferred = "draft-mtp" if heads else "draft-simple"
+        note(f"spec type: {inferred}, inferred from -md {draft_name} ({'MTP heads' if heads else 'a whole model'}); "
+             "--spec-type chooses another")
+        return (inferred,)
+    if draft is not None and types != AUTO and not {"draft-simple", "draft-mtp"} & set(types):
+        note(f"-md {draft_name}: not used, as --spec-type {','.join(types) or 'none'} has no draft type; "
+             "add draft (a draft model) or draft-mtp (MTP heads)")
+    return types
+
+
 def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
     """Resolve and check the files of model (a registry name or a path) and params.draft_model;
-    returns the model's path and the params to build engines with (paths resolved, auto expanded
-    to the available types, the exact-mode caveat set). Raises SpecrunError, one line."""
+    returns the model's path and the params to build engines with (paths resolved, the spec type
+    inferred from -md when none was given, auto expanded to the available types, the exact-mode
+    caveat set). Raises SpecrunError, one line."""
     path = resolve(model)
     spec = load_spec(path)
     if spec.has_mtp and not spec.has_trunk:
         raise SpecrunError(f"{path} holds only MTP heads (no trunk), so it cannot be the main model; "
                            f"use it as -md {path.name} beside the model it was extracted from")
+    draft = None
     if params.draft_model:
+        name = Path(params.draft_model).name
         params = replace(params, draft_model=str(resolve(params.draft_model)))
-        load_spec(params.draft_model)
+        draft = load_spec(params.draft_model)
+    params = replace(params, spec=replace(params.spec, types=draft_types(params, draft, name if draft else "")))
     if params.spec.types == AUTO:
         params = replace(params, spec=replace(params.spec, types=available_types(path, params.draft_model)))
     return path, replace(params, exact_caveat=float_weight_caveat(spec) if params.exact else None)
@@ -73,11 +97,11 @@ def open_engines(model: str, params: EngineParams, n: int = 1) -> list[Engine]:
     status line on stderr. See prepare() for the checks."""
     path, params = prepare(model, params)
     label = f"loading {path.name}" + (f" ({n} slots)" if n > 1 else "")
-    with err_console.status(label, spinner="dots"):
+    with exit_on_interrupt(), err_console.status(label, spinner="dots"):
         engines = [Engine(str(path), params)]
         try:
             for _ in range(n - 1):
-                engines.append(Engine(str(path), params, model=engines[0].model))
+                engines.append(Engine(str(path), params, model=engines[0].model, repacked=engines[0].repacked))
         except BaseException:
             for e in reversed(engines):
                 e.close()

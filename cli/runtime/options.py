@@ -1,22 +1,33 @@
 """Option bundles shared by run / chat / serve / bench, named as llama.cpp's common/arg.cpp, and
 the only place where their values become the kernels' parameters (engine_params, spec_params,
-sampling_params)."""
+sampling_params).
+
+A llama.cpp flag that cannot apply here is still accepted: engine_params() says in one line on
+stderr why, and what happens instead (e.g. `-ngl 99`: every layer runs on the CPU)."""
 
 from __future__ import annotations
 
 import functools
 
 import click
+from click.core import ParameterSource
 
 from specrun.kernels.params import EngineParams, SpecParams, parse_spec_types
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
-AUTO = ("auto",)   # what --spec-type auto parses to; resolved after loading (runtime.auto)
+from .console import note
+
+AUTO = ("auto",)     # what --spec-type auto parses to; resolved after loading (runtime.auto)
+INFER = ("infer",)   # no --spec-type: loading.prepare() infers it from -md's file (llama.cpp's rule), else none
+
+DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"   # the registry model with a chat template
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # arg.cpp's kv_cache_types
+UBATCH_DEFAULT = 512
 
 
 def _spec_type(ctx, param, value):
     if value is None:
-        return ()
+        return INFER
     if value.strip() == "auto":
         return AUTO
     try:
@@ -25,16 +36,68 @@ def _spec_type(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
+def _on_off_auto(ctx, param, value):
+    """llama.cpp's is_truthy / is_falsey / is_autoy -> 'on' | 'off' | 'auto'."""
+    if value is None:
+        return None
+    for word, spellings in (("on", ("on", "enabled", "true", "1")), ("off", ("off", "disabled", "false", "0")),
+                            ("auto", ("auto", "-1"))):
+        if value in spellings:
+            return word
+    raise click.BadParameter(f"unknown value '{value}': use on, off or auto")
+
+
+def _gpu_layers(ctx, param, value):
+    """A number of layers, 'auto' or 'all' (llama.cpp's -ngl)."""
+    if value is None or value in ("auto", "all"):
+        return value
+    try:
+        int(value)
+    except ValueError:
+        raise click.BadParameter(f"'{value}' is not a number of layers, 'auto' or 'all'") from None
+    return value
+
+
+def _seed(ctx, param, value):
+    """llama.cpp's -s: 0..4294967295; -1 (its stoul wraps it to LLAMA_DEFAULT_SEED) or the default: random."""
+    if value is None or value == -1:
+        return LLAMA_DEFAULT_SEED
+    if not 0 <= value <= LLAMA_DEFAULT_SEED:
+        raise click.BadParameter(f"{value} is not a seed: use 0..{LLAMA_DEFAULT_SEED}, or -1 for a random one")
+    return value
+
+
 def model_options(f):
     @click.option("-m", "--model", "model", envvar="SPECRUN_MODEL", default="gemma-3-270m", show_default=True,
                   help="GGUF path, or a known model name (gemma-3-270m, smollm2-135m-instruct)")
     @click.option("-md", "--model-draft", "--spec-draft-model", "model_draft", default=None,
-                  help="draft GGUF for --spec-type draft, or MTP heads (from `specrun extract-mtp`) for draft-mtp")
+                  help="draft GGUF for --spec-type draft, or MTP heads (from `specrun extract-mtp`) for draft-mtp; "
+                       "without --spec-type, the type is inferred from the file")
     @click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(0), default=4096, show_default=True,
                   help="context size in tokens (0: the model's training context)")
     @click.option("-b", "--batch-size", "batch_size", type=click.IntRange(1), default=2048, show_default=True)
+    @click.option("-ub", "--ubatch-size", "ubatch_size", type=click.IntRange(1), default=None,
+                  help=f"physical batch size (accepted; the engine uses llama.cpp's {UBATCH_DEFAULT})")
     @click.option("-t", "--threads", "threads", type=click.IntRange(0), default=0,
                   help="CPU threads (default: all cores)")
+    @click.option("-tb", "--threads-batch", "threads_batch", type=int, default=None,
+                  help="threads for prompt processing (accepted; the engine uses -t's)")
+    @click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", callback=_gpu_layers, default=None,
+                  metavar="N|auto|all", help="layers on the GPU (accepted; specrun runs every layer on the CPU)")
+    @click.option("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft", "gpu_layers_draft",
+                  callback=_gpu_layers, default=None, metavar="N|auto|all",
+                  help="draft model layers on the GPU (accepted; the CPU runs them)")
+    @click.option("-fa", "--flash-attn", "flash_attn", callback=_on_off_auto, default=None, metavar="on|off|auto",
+                  help="flash attention (exact mode keeps it on; default auto)")
+    @click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_CACHE_TYPES), default=None,
+                  help="KV cache type for K (exact mode keeps q8_0; --no-exact: f16)")
+    @click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_CACHE_TYPES), default=None,
+                  help="KV cache type for V (exact mode keeps q8_0; --no-exact: f16)")
+    @click.option("--mlock", "mlock", is_flag=True, help="accepted; the model is memory-mapped as by default")
+    @click.option("--mmap/--no-mmap", "mmap", default=None, help="accepted; the model is memory-mapped")
+    @click.option("-lm", "--load-mode", "load_mode", default=None,
+                  type=click.Choice(["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"]),
+                  help="llama.cpp's model loading mode (accepted; the model is memory-mapped)")
     @click.option("--no-exact", "no_exact", is_flag=True,
                   help="llama.cpp's fastest kernels; verify logits may then differ from one-token decoding")
     @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp and specrun internals to stderr")
@@ -46,9 +109,9 @@ def model_options(f):
 
 
 def spec_options(f):
-    @click.option("--spec-type", "spec_type", callback=_spec_type, default="none", show_default=True,
+    @click.option("--spec-type", "spec_type", callback=_spec_type, default=None,
                   help="comma-separated: none, draft-simple (alias draft), draft-mtp, ngram-simple; or auto "
-                       "(measured on this model and machine)")
+                       "(measured on this model and machine)  [default: none; with -md, the type its file holds]")
     @click.option("--spec-draft-n-max", "n_max", type=click.IntRange(1), default=3, show_default=True,
                   help="most tokens drafted per step")
     @click.option("--spec-draft-n-min", "n_min", type=click.IntRange(0), default=0, show_default=True,
@@ -71,14 +134,14 @@ def spec_options(f):
 
 
 def sampling_options(f):
-    @click.option("-n", "--n-predict", "n_predict", type=int, default=-1, show_default=True,
+    @click.option("-n", "--n-predict", "--predict", "n_predict", type=int, default=-1, show_default=True,
                   help="tokens to generate (-1: until end of generation or a full context)")
     @click.option("--temp", type=float, default=0.8, show_default=True, help="temperature (<= 0: greedy)")
     @click.option("--top-k", "top_k", type=int, default=40, show_default=True)
     @click.option("--top-p", "top_p", type=click.FloatRange(0, 1), default=0.95, show_default=True)
     @click.option("--min-p", "min_p", type=click.FloatRange(0, 1), default=0.05, show_default=True)
-    @click.option("-s", "--seed", type=click.IntRange(0, LLAMA_DEFAULT_SEED), default=LLAMA_DEFAULT_SEED,
-                  help="RNG seed (default: random)")
+    @click.option("-s", "--seed", type=int, callback=_seed, default=None,
+                  help="RNG seed (default, or -1: random; the seed used is printed)")
     @functools.wraps(f)
     def wrapper(*a, **k):
         return f(*a, **k)
@@ -86,20 +149,124 @@ def sampling_options(f):
     return wrapper
 
 
+def chat_options(f):
+    """The conversation's options: `specrun chat`, and `specrun -cnv` (run's conversation mode)."""
+    @click.option("-sys", "--system-prompt", "system_prompt", default=None, help="the system message")
+    @click.option("-sysf", "--system-prompt-file", "system_prompt_file", default=None, metavar="FILE",
+                  help="read the system message from a file")
+    @click.option("--chat-template", "chat_template", default=None, metavar="NAME|JINJA",
+                  help="one of llama.cpp's built-in template names (chatml, llama3, gemma...), or Jinja text "
+                       "(a file path also works) instead of the model's own")
+    @click.option("--chat-template-file", "chat_template_file", default=None, metavar="FILE",
+                  help="a Jinja chat template file instead of the model's own")
+    @click.option("--jinja/--no-jinja", "jinja", default=None,
+                  help="accepted; specrun always renders chat templates with Jinja")
+    @click.option("-st", "--single-turn", "single_turn", is_flag=True,
+                  help="answer one message, then exit")
+    @functools.wraps(f)
+    def wrapper(*a, **k):
+        return f(*a, **k)
+
+    return wrapper
+
+
+def given(name: str) -> bool:
+    """Whether the option `name` of the running command was given (command line or environment)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return False
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def chat_model(kw: dict) -> str:
+    """-m for a conversation: the one given, else the registry model that has a chat template
+    (the default model, gemma-3-270m, is a base model without one)."""
+    return kw["model"] if given("model") else DEFAULT_CHAT_MODEL
+
+
+def read_system_prompt(kw: dict) -> str | None:
+    """-sys TEXT, or -sysf FILE (one trailing newline dropped, as llama.cpp)."""
+    text, path = kw.get("system_prompt"), kw.get("system_prompt_file")
+    if text is not None and path is not None:
+        raise click.UsageError("give the system prompt with -sys or -sysf, not both")
+    if path is None:
+        return text
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {path}: {e.strerror}", param_hint="-sysf") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
+def chat_template_choice(kw: dict) -> tuple[str | None, str | None]:
+    """(--chat-template value, --chat-template-file path); at most one; --no-jinja noted."""
+    if kw.get("jinja") is False:
+        note("--no-jinja: ignored; specrun renders every chat template with Jinja")
+    tmpl, path = kw.get("chat_template"), kw.get("chat_template_file")
+    if tmpl is not None and path is not None:
+        raise click.UsageError("give the chat template with --chat-template or --chat-template-file, not both")
+    return tmpl, path
+
+
 def spec_params(kw: dict) -> SpecParams:
-    """The --spec-* options (those of spec_options; bench has its own subset). types may be AUTO."""
+    """The --spec-* options (those of spec_options; bench has its own subset). types may be AUTO or INFER."""
     return SpecParams(types=kw.get("spec_type", ()), n_max=kw.get("n_max", 3), n_min=kw.get("n_min", 0),
                       p_min=kw.get("p_min", 0.0), ngram_size_n=kw.get("ngram_n", 12),
                       ngram_size_m=kw.get("ngram_m", 48), ngram_min_hits=kw.get("ngram_hits", 1),
                       verify=kw.get("verify", "auto"), adaptive=kw.get("adaptive", False))
 
 
+def unapplied(kw: dict) -> list[str]:
+    """One line for each llama.cpp flag given that cannot apply here: why, and what happens instead."""
+    exact = not kw["no_exact"]
+    out = []
+    for key, flag, what in (("gpu_layers", "-ngl", "every layer"), ("gpu_layers_draft", "-ngld", "the draft model")):
+        v = kw.get(key)
+        if v is not None and v not in ("0", "auto"):
+            out.append(f"{flag} {v}: ignored; specrun runs {what} on the CPU (its kernels load models with "
+                       "n_gpu_layers 0)")
+    fa = kw.get("flash_attn")
+    if fa == "off" and exact:
+        out.append("-fa off: exact mode keeps flash attention on, so that verify logits equal one-token "
+                   "decoding's; with --no-exact llama.cpp chooses (auto): the kernels have no switch for it yet")
+    elif fa in ("on", "off") and not exact:
+        out.append(f"-fa {fa}: not applied; with --no-exact llama.cpp chooses (auto): the kernels have no "
+                   "switch for it yet")
+    for key, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv")):
+        t = kw.get(key)
+        if t is not None and exact and t != "q8_0":
+            out.append(f"{flag} {t}: exact mode keeps a q8_0 KV cache, so that one-token decodes never take "
+                       "flash attention's split-KV path; with --no-exact it is llama.cpp's f16")
+        elif t is not None and not exact and t != "f16":
+            out.append(f"{flag} {t}: not applied; with --no-exact the KV cache is llama.cpp's f16: the kernels "
+                       "have no switch for it yet")
+    ub = kw.get("ubatch_size")
+    if ub is not None and ub != UBATCH_DEFAULT:
+        out.append(f"-ub {ub}: not applied; the engine evaluates in llama.cpp's micro-batches of {UBATCH_DEFAULT} "
+                   "tokens: it has no setting for it yet")
+    tb, t = kw.get("threads_batch"), kw.get("threads", 0)
+    if tb is not None and (tb > 0 or t > 0) and tb != t:
+        out.append(f"-tb {tb}: not applied; prompt processing uses -t's threads ({t or 'all cores'}): the engine "
+                   "has no separate setting yet")
+    load = [f for f, on in (("--mlock", kw.get("mlock")), ("--no-mmap", kw.get("mmap") is False)) if on]
+    if kw.get("load_mode") not in (None, "auto", "mmap"):
+        load.append(f"-lm {kw['load_mode']}")
+    if load:
+        out.append(f"{', '.join(load)}: not applied; the model is memory-mapped, as by default: the kernels do not "
+                   "pass llama.cpp's load mode yet")
+    return out
+
+
 def engine_params(kw: dict, spec: SpecParams | None = None) -> EngineParams:
-    """The model_options (and spec_options, unless spec is given) as EngineParams. The model
-    names are resolved to paths, and every check made, when the engine is opened (runtime.loading)."""
+    """The model_options (and spec_options, unless spec is given) as EngineParams; a note on stderr
+    for each flag that cannot apply. The model names are resolved to paths, and every check made,
+    when the engine is opened (runtime.loading)."""
     spec = spec_params(kw) if spec is None else spec
     if "draft-simple" in spec.types and not kw["model_draft"]:
         raise click.UsageError("--spec-type draft needs -md/--model-draft DRAFT.gguf")
+    for line in unapplied(kw):
+        note(line)
     return EngineParams(n_ctx=kw["ctx_size"], n_batch=kw["batch_size"], n_threads=kw["threads"],
                         exact=not kw["no_exact"], spec=spec, draft_model=kw["model_draft"])
 

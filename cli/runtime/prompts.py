@@ -1,8 +1,10 @@
-"""Prompts: reading the user's (-p / -f / stdin) and the built-in ones that bench and
-`--spec-type auto` measure with (free text, input-grounded rewriting, a chat turn)."""
+"""Prompts: reading the user's (-p / -f / stdin, with llama.cpp's escape processing) and the
+built-in ones that bench and `--spec-type auto` measure with (free text, input-grounded
+rewriting, a chat turn)."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import click
@@ -48,7 +50,28 @@ CHAT_MESSAGE = "In a few sentences, explain why the sky is blue."
 BUILTIN = (*PROMPTS, "chat")
 
 
-def read_prompt(prompt: str | None, file: str | None) -> str:
+_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"'": b"'", b'"': b'"', b"\\": b"\\"}
+_ESCAPE = re.compile(rb"\\(x[0-9A-Fa-f]{2}|[nrt'\"\\])")
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's string_process_escapes (-e, on by default): \\n \\r \\t \\' \\" \\\\ and \\xNN (a byte);
+    any other backslash stays as written."""
+    def one(m: re.Match) -> bytes:
+        e = m.group(1)
+        return bytes([int(e[1:], 16)]) if e[:1] == b"x" else _ESCAPES[e]
+
+    return _ESCAPE.sub(one, text.encode("utf-8")).decode("utf-8", errors="replace")
+
+
+def read_prompt(prompt: str | None, file: str | None, escape: bool = False) -> str:
+    """-p TEXT, -f FILE (- for stdin), else what is piped on stdin. escape: process llama.cpp's
+    escapes in -p and -f text (as its -e), not in the piped fallback."""
+    text = _read_prompt(prompt, file)
+    return process_escapes(text) if escape and (prompt is not None or file is not None) else text
+
+
+def _read_prompt(prompt: str | None, file: str | None) -> str:
     if prompt is not None and file is not None:
         raise click.UsageError("give the prompt with -p or -f, not both")
     if file == "-":

@@ -1,0 +1,281 @@
+"""llama.cpp's spellings and meanings (issue 13): single-dash multi-letter options, flags that
+cannot apply here (accepted, one line on stderr each), --seed -1 and the printed seed, -e, -r,
+--predict, a full context, -md inferring the spec type, and `chat` choosing a model with a chat
+template. Most runs use the tiny synthetic qwen35 model (loads in well under a second)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from specrun.cli.main import cli
+from specrun.cli.runtime.options import DEFAULT_CHAT_MODEL, unapplied
+from specrun.cli.runtime.prompts import process_escapes
+from specrun.gguf_spec.extract import extract_mtp, extract_trunk
+from specrun.gguf_spec.registry import DEFAULT_MODEL, resolve_model
+from specrun.gguf_spec.spec import load_spec
+from specrun.gguf_spec.testmodel import write_test_model
+
+PROMPT = "def fib(n):"
+
+
+def invoke(*args: str, input: str | None = None):
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny qwen35 with an exact MTP head, its trunk and its heads, as separate files."""
+    d = tmp_path_factory.mktemp("tiny")
+    full = write_test_model(d / "full.gguf")
+    extract_trunk(full, d / "trunk.gguf")
+    extract_mtp(full, d / "heads.gguf")
+    return {"full": str(full), "trunk": str(d / "trunk.gguf"), "heads": str(d / "heads.gguf")}
+
+
+def gen(model: str, *args: str, input: str | None = None):
+    return invoke("-m", model, "-p", PROMPT, "--temp", "0", *args, input=input)
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (["-foo", "1"], "No such option: -foo"),
+    (["-sysx", "Be brief."], "No such option: -sysx; did you mean -sys"),
+    (["-ngll", "99"], "No such option: -ngll; did you mean -ngl"),
+])
+def test_unknown_single_dash_option_is_refused_by_its_own_name(tiny, args, words):
+    r = gen(tiny["full"], *args)
+    assert r.exit_code == 2
+    assert words in r.stderr
+    assert "Invalid value" not in r.stderr and "'-s'" not in r.stderr and "'-n'" not in r.stderr
+
+
+def test_llamacpp_spellings_parse_and_unapplied_flags_say_why_in_one_line_each(tiny):
+    r = gen(tiny["full"], "-n", "2", "-ngl", "99", "-ngld", "all", "-fa", "off", "-ctk", "f16", "-ctv", "q4_0",
+            "-ub", "256", "-tb", "1", "-t", "2", "--mlock", "--no-mmap", "-lm", "none")
+    assert r.exit_code == 0, r.output
+    notes = [ln for ln in r.stderr.splitlines() if ": not applied" in ln or ": ignored" in ln or "keeps" in ln]
+    assert notes == [
+        "-ngl 99: ignored; specrun runs every layer on the CPU (its kernels load models with n_gpu_layers 0)",
+        "-ngld all: ignored; specrun runs the draft model on the CPU (its kernels load models with n_gpu_layers 0)",
+        "-fa off: exact mode keeps flash attention on, so that verify logits equal one-token decoding's; with "
+        "--no-exact llama.cpp chooses (auto): the kernels have no switch for it yet",
+        "-ctk f16: exact mode keeps a q8_0 KV cache, so that one-token decodes never take flash attention's "
+        "split-KV path; with --no-exact it is llama.cpp's f16",
+        "-ctv q4_0: exact mode keeps a q8_0 KV cache, so that one-token decodes never take flash attention's "
+        "split-KV path; with --no-exact it is llama.cpp's f16",
+        "-ub 256: not applied; the engine evaluates in llama.cpp's micro-batches of 512 tokens: it has no setting "
+        "for it yet",
+        "-tb 1: not applied; prompt processing uses -t's threads (2): the engine has no separate setting yet",
+        "--mlock, --no-mmap, -lm none: not applied; the model is memory-mapped, as by default: the kernels do not "
+        "pass llama.cpp's load mode yet",
+    ]
+
+
+def base_kw(**kw) -> dict:
+    return {"no_exact": False, "threads": 0, **kw}
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (base_kw(flash_attn="on", cache_type_k="q8_0", cache_type_v="q8_0", gpu_layers="0", ubatch_size=512,
+             mmap=True, load_mode="mmap", threads_batch=0), []),                        # what exact mode does anyway
+    (base_kw(no_exact=True, flash_attn="auto", cache_type_k="f16", gpu_layers="auto"), []),  # llama.cpp's defaults
+    (base_kw(no_exact=True, flash_attn="off"), ["-fa off: not applied; with --no-exact llama.cpp chooses (auto)"]),
+    (base_kw(no_exact=True, cache_type_v="q8_0"), ["-ctv q8_0: not applied; with --no-exact the KV cache is "
+                                                   "llama.cpp's f16"]),
+    (base_kw(threads_batch=4, threads=4), []),
+])
+def test_unapplied_is_silent_for_what_applies(kw, expected):
+    lines = unapplied(kw)
+    assert len(lines) == len(expected)
+    for line, start in zip(lines, expected, strict=True):
+        assert line.startswith(start), line
+
+
+@pytest.mark.parametrize("value", ["on", "enabled", "true", "1", "off", "0", "auto", "-1"])
+def test_flash_attn_takes_llamacpp_truthy_falsey_autoy_values(tiny, value):
+    r = gen(tiny["full"], "-n", "1", "-fa", value)
+    assert r.exit_code == 0, r.output
+
+
+def test_flash_attn_refuses_other_values(tiny):
+    r = gen(tiny["full"], "-n", "1", "-fa", "maybe")
+    assert r.exit_code == 2 and "unknown value 'maybe': use on, off or auto" in r.stderr
+
+
+def test_bundled_options_reach_chat_and_serve():
+    for cmd in ("chat", "serve"):
+        r = invoke(cmd, "--help")
+        assert r.exit_code == 0
+        for flag in ("-ngl", "-ngld", "-fa", "-ctk", "-ctv", "-ub", "-tb", "--mlock", "--no-mmap", "--predict"):
+            assert re.search(rf"(^|[\s,]){re.escape(flag)}[\s,]", r.stdout), (cmd, flag)
+    assert "-sys" in invoke("chat", "--help").stdout and "-st" in invoke("chat", "--help").stdout
+
+
+# ---- prompts, seeds, -n, -r ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    (r"Q: hi\nA:", "Q: hi\nA:"),
+    (r"tab\there", "tab\there"),
+    (r"a\\nb", "a\\nb"),                  # an escaped backslash, then a plain n
+    (r"\x41\xe2\x82\xac", "A€"),           # \xNN is a byte, as llama.cpp's
+    (r"\q \x4", "\\q \\x4"),              # unknown or short escapes stay as written
+    ("trailing\\", "trailing\\"),
+    (r"\'\"", "'\""),
+])
+def test_process_escapes_as_llamacpp(text, expected):
+    assert process_escapes(text) == expected
+
+
+def test_escapes_on_by_default_and_no_escape_keeps_them(tiny):
+    js = lambda *a: json.loads(invoke("-m", tiny["full"], "-n", "4", "--temp", "0", "--json", *a).stdout)  # noqa: E731
+    escaped, real, literal = js("-p", r"Q: hi\nA:"), js("-p", "Q: hi\nA:"), js("-p", r"Q: hi\nA:", "--no-escape")
+    assert escaped["tokens"] == real["tokens"] and escaped["n_prompt"] == real["n_prompt"]
+    assert literal["n_prompt"] != real["n_prompt"]
+
+
+def test_seed_minus_one_is_random_and_the_seed_used_is_printed_and_replays(tiny):
+    args = ["-m", tiny["full"], "-p", PROMPT, "-n", "12", "--temp", "1.0"]
+    a = invoke(*args, "--seed", "-1")
+    assert a.exit_code == 0, a.output
+    m = re.search(r"^sampler seed: (\d+)$", a.stderr, re.M)
+    assert m, a.stderr
+    b = invoke(*args, "--seed", m.group(1))
+    assert b.stdout == a.stdout
+    assert "sampler seed" not in b.stderr                  # a given seed is not repeated back
+    assert "sampler seed" not in invoke("-m", tiny["full"], "-p", PROMPT, "-n", "2", "--temp", "0").stderr
+    assert invoke(*args, "--seed", "-2").exit_code == 2
+
+
+def test_predict_is_n(tiny):
+    d = json.loads(gen(tiny["full"], "--predict", "3", "--json").stdout)
+    assert d["stats"]["n_gen"] == 3
+
+
+def test_reverse_prompt_stops_there_and_is_printed(smollm_path):
+    base = ["-m", str(smollm_path), "-p", "Once upon a time, in a land far away,", "--temp", "0", "-c", "512"]
+    plain = invoke(*base, "-n", "24").stdout
+    word = plain.split()[3]
+    r = invoke(*base, "-n", "24", "-r", word)
+    assert r.exit_code == 0, r.output
+    assert r.stdout == plain[:plain.index(word) + len(word)] + "\n"
+    d = json.loads(invoke(*base, "-n", "24", "-r", word, "--json").stdout)
+    assert d["stop"] == "word" and d["text"] + "\n" == r.stdout
+
+
+def test_full_context_says_so_in_one_line(tiny):
+    r = gen(tiny["full"], "-c", "64")
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.stderr.splitlines() if "context full" in ln]
+    m = re.fullmatch(r"context full \((\d+) tokens\) => stopping; raise -c for a longer text", lines[0])
+    assert len(lines) == 1 and m, r.stderr
+    d = json.loads(gen(tiny["full"], "-c", "64", "--json").stdout)
+    assert d["stop"] == "ctx" and d["n_prompt"] + d["stats"]["n_gen"] == int(m.group(1))
+
+
+def test_keep_is_accepted_with_a_note(tiny):
+    r = gen(tiny["full"], "-n", "1", "--keep", "-1")
+    assert r.exit_code == 0
+    assert "--keep -1: no effect; specrun does not shift the context" in r.stderr
+
+
+# ---- -md infers the spec type -------------------------------------------------------------------
+
+def test_md_heads_infer_draft_mtp_and_the_text_is_the_models(tiny):
+    plain = gen(tiny["full"], "-n", "16")
+    r = gen(tiny["trunk"], "-md", tiny["heads"], "-n", "16")
+    assert r.exit_code == 0, r.output
+    assert "spec type: draft-mtp, inferred from -md heads.gguf (MTP heads); --spec-type chooses another" in r.stderr
+    assert re.search(r"statistics\s+draft-mtp: #gen drafts = [1-9]", r.stderr), r.stderr
+    assert r.stdout == plain.stdout
+
+
+def test_md_whole_model_infers_draft(tiny):
+    r = gen(tiny["full"], "-md", tiny["full"], "-n", "8")
+    assert r.exit_code == 0, r.output
+    assert "spec type: draft-simple, inferred from -md full.gguf (a whole model)" in r.stderr
+    assert re.search(r"statistics\s+draft-simple: #gen drafts = [1-9]", r.stderr), r.stderr
+
+
+def test_md_with_a_type_that_does_not_use_it_says_so(tiny):
+    r = gen(tiny["full"], "-md", tiny["heads"], "-n", "2", "--spec-type", "ngram-simple")
+    assert r.exit_code == 0, r.output
+    assert ("-md heads.gguf: not used, as --spec-type ngram-simple has no draft type; add draft (a draft model) "
+            "or draft-mtp (MTP heads)") in r.stderr
+    assert "inferred" not in gen(tiny["full"], "-md", tiny["heads"], "-n", "2", "--spec-type", "draft-mtp").stderr
+
+
+# ---- conversations ------------------------------------------------------------------------------
+
+def test_the_chat_model_has_a_chat_template_and_the_default_model_has_none():
+    assert load_spec(resolve_model(DEFAULT_CHAT_MODEL)).has_chat_template
+    assert not load_spec(resolve_model(DEFAULT_MODEL)).has_chat_template
+
+
+def test_chat_without_m_chats_with_the_model_that_has_a_template(monkeypatch):
+    monkeypatch.delenv("SPECRUN_MODEL", raising=False)
+    r = invoke("chat", "--temp", "0", "-n", "4", "-q", input="Hi\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Hello")
+
+
+def test_llamacpp_conversation_spelling_with_sys_p_and_single_turn(tmp_path):
+    saved = tmp_path / "c.json"
+    r = invoke("-m", DEFAULT_CHAT_MODEL, "-cnv", "-sys", "Be brief.", "-p", "Hi", "-st", "--temp", "0", "-n", "4",
+               input=f"/save {saved}\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Hello")
+    assert not saved.exists()                              # -st with -p: answered, never read stdin
+    # -sys alone starts the conversation (llama.cpp's -sys needs one); -p is then the first message
+    r = invoke("-m", DEFAULT_CHAT_MODEL, "-sys", "Be brief.", "-p", "Hi", "--temp", "0", "-n", "4",
+               input=f"/save {saved}\n")
+    assert r.exit_code == 0, r.output
+    assert [m["role"] for m in json.loads(saved.read_text())["messages"]] == ["system", "user", "assistant"]
+
+
+def test_conversation_flags_without_conversation_mode_say_so(tiny):
+    r = gen(tiny["full"], "-n", "1", "-no-cnv", "-sys", "x", "-st")
+    assert r.exit_code == 0, r.output
+    assert "-sys, -st: ignored without conversation mode (-no-cnv)" in r.stderr
+
+
+def test_builtin_chat_template_by_name_on_a_model_without_one(tiny):
+    r = invoke("chat", "-m", tiny["full"], "--chat-template", "chatml", "--temp", "0", "-n", "2", "-q",
+               input="hello\n")
+    assert r.exit_code == 0, r.output
+    r = invoke("chat", "-m", tiny["full"], "--chat-template", "llama4", input="hello\n")
+    assert r.exit_code == 1
+    assert r.stderr.splitlines()[-1] == ("Error: llama.cpp's built-in template 'llama4' is not carried by specrun, "
+                                         "which renders templates with Jinja; give the model's Jinja template with "
+                                         "--chat-template-file FILE")
+    r = invoke("chat", "-m", tiny["full"], "--chat-template", "chatmlx", input="hello\n")
+    assert r.exit_code == 1 and "--chat-template chatmlx: not a built-in template name (chatml, " in r.stderr
+
+
+def test_chat_template_as_jinja_text_and_file_and_no_jinja(tiny, tmp_path):
+    jinja = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    r = invoke("chat", "-m", tiny["full"], "--chat-template", jinja, "--temp", "0", "-n", "2", "-q", "--no-jinja",
+               input="hello\n")
+    assert r.exit_code == 0, r.output
+    assert "--no-jinja: ignored; specrun renders every chat template with Jinja" in r.stderr
+    f = tmp_path / "t.jinja"
+    f.write_text(jinja)
+    r2 = invoke("chat", "-m", tiny["full"], "--chat-template-file", str(f), "--temp", "0", "-n", "2", "-q",
+                input="hello\n")
+    assert r2.exit_code == 0 and r2.stdout == r.stdout
+    both = invoke("chat", "-m", tiny["full"], "--chat-template", "chatml", "--chat-template-file", str(f), input="")
+    assert both.exit_code == 2 and "not both" in both.stderr
+
+
+def test_chat_prints_its_random_seed_once_before_the_first_answer_and_it_replays():
+    args = ["chat", "-m", DEFAULT_CHAT_MODEL, "--temp", "1.0", "-n", "8", "-q"]
+    a = invoke(*args, input="Tell me a story.\nAnd another.\n")
+    assert a.exit_code == 0, a.output
+    seeds = re.findall(r"^sampler seed: (\d+)$", a.stderr, re.M)
+    assert len(seeds) == 1 and a.stderr.startswith("sampler seed:")
+    b = invoke(*args, "--seed", seeds[0], input="Tell me a story.\nAnd another.\n")
+    assert b.stdout == a.stdout and "sampler seed" not in b.stderr
