@@ -101,7 +101,7 @@ def open_engines(model: str, params: EngineParams, n: int = 1) -> list[Engine]:
         engines = [Engine(str(path), params)]
         try:
             for _ in range(n - 1):
-                engines.append(Engine(str(path), params, model=engines[0].model, repacked=engines[0].repacked))
+                engines.append(Engine(str(path), params, model=engines[0].model))
         except BaseException:
             for e in reversed(engines):
                 e.close()
