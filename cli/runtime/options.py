@@ -113,13 +113,15 @@ def spec_options(f):
                   help="comma-separated: none, draft-simple (alias draft), draft-mtp, ngram-simple; or auto "
                        "(measured on this model and machine)  [default: none; with -md, the type its file holds]")
     @click.option("--spec-draft-n-max", "n_max", type=click.IntRange(1), default=3, show_default=True,
-                  help="most tokens drafted per step")
+                  help="most tokens a draft model or MTP heads draft per step (n-gram drafts: --spec-ngram-simple-size-m)")
     @click.option("--spec-draft-n-min", "n_min", type=click.IntRange(0), default=0, show_default=True,
                   help="drafts shorter than this are not verified")
     @click.option("--spec-draft-p-min", "p_min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
                   help="stop drafting when the draft's top-1 probability falls below this (greedy drafts)")
-    @click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=12, show_default=True)
-    @click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=48, show_default=True)
+    @click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=12, show_default=True,
+                  help="n-gram drafts: the length of the pattern looked up in the text so far")
+    @click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=48, show_default=True,
+                  help="n-gram drafts: the most tokens copied after the match (an n-gram draft's length bound)")
     @click.option("--spec-ngram-simple-min-hits", "ngram_hits", type=click.IntRange(1), default=1, show_default=True)
     @click.option("--spec-verify", "verify", type=click.Choice(["auto", "match", "rejection"]), default="auto",
                   show_default=True, help="rejection = speculative sampling when the drafter has a distribution")
