@@ -45,8 +45,10 @@ from .types import (
     DraftOptions,
     SamplingParams,
     TargetPass,
+    TokenLogprob,
     Verdict,
     common_prefix,
+    token_logprob,
 )
 from .verify import verify
 
@@ -75,11 +77,13 @@ def _never() -> bool:
 
 class Generation:
     """One generation in progress. Iterate it for the emitted tokens (lists, in order); `stats`
-    fills as it goes and is final once the iteration ends or close() stops it early."""
+    fills as it goes and is final once the iteration ends or close() stops it early. logprobs:
+    one TokenLogprob per emitted token, in order, when generate() was asked for them (else None)."""
 
-    def __init__(self, steps: Iterator[list[int]], stats: GenStats) -> None:
+    def __init__(self, steps: Iterator[list[int]], stats: GenStats, logprobs: list[TokenLogprob] | None = None) -> None:
         self._steps = steps
         self.stats = stats
+        self.logprobs = logprobs
 
     def __iter__(self) -> Generation:
         return self
@@ -179,7 +183,7 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], n_predict: int = -1, sampling: SamplingParams = _SAMPLING_DEFAULT,
                  *, spec: SpecParams | None = None, drafters: Sequence[Drafter] | None = None,
-                 cancel: Callable[[], bool] | None = None) -> Generation:
+                 cancel: Callable[[], bool] | None = None, logprobs: int | None = None) -> Generation:
         """Start generating after prompt: the tokens come by iterating the Generation, until
         end-of-generation, n_predict tokens (-1: no limit) or a full context.
 
@@ -189,6 +193,8 @@ class Engine:
         spec: None = the engine's own; drafters: explicit drafter objects (tests), with spec's numbers.
         cancel: polled between prompt chunks (n_ubatch tokens each) and target passes; once it
         returns True the generation ends with stop "interrupted" (a long prompt stops mid-way).
+        logprobs: None = off; n >= 0: Generation.logprobs gets each emitted token's log-probability
+        under the target and its n most likely alternatives (from the rows the verify pass computed).
         The random draw of the token at absolute position pos comes from the stream (sampling.seed,
         pos): seeded output is reproducible and, under sample-and-match, independent of the spec type.
         """
@@ -212,10 +218,13 @@ class Engine:
                       exact_caveat=self.params.exact_caveat if self.params.exact else None,
                       drafters=[DrafterStats(d.spec_type) for d in drafters])
         limit = n_predict if n_predict >= 0 else self.n_ctx
-        return Generation(self._run(prompt, limit, sampling, spec, list(drafters), st, cancel or _never), st)
+        lp: list[TokenLogprob] | None = None if logprobs is None else []
+        return Generation(self._run(prompt, limit, sampling, spec, list(drafters), st, cancel or _never, lp, logprobs),
+                          st, lp)
 
     def _run(self, prompt: np.ndarray, limit: int, sampling: SamplingParams, spec: SpecParams,
-             drafters: list[Drafter], st: GenStats, cancel: Callable[[], bool]) -> Iterator[list[int]]:
+             drafters: list[Drafter], st: GenStats, cancel: Callable[[], bool],
+             lp: list[TokenLogprob] | None, n_top: int | None) -> Iterator[list[int]]:
         sample_drafts = spec.verify in ("auto", "rejection") and not sampling.greedy
         opts = DraftOptions(spec.p_min, sampling if sample_drafts else None)
         # each drafter's longest draft (n-grams: size_m, models: n_max), within the engine's cap; an
@@ -233,6 +242,8 @@ class Engine:
                 st.stop = "interrupted"
                 return
             id_last = sample(logits, sampling, n_past)
+            if lp is not None:
+                lp.append(token_logprob(logits, id_last, n_top))
             t_gen0 = time.perf_counter()
             st.t_prompt_s = t_gen0 - t0
             ctx_tokens = [*prompt.tolist(), id_last]
@@ -265,6 +276,9 @@ class Engine:
                         break
                 if n_emitted + len(out) >= limit:
                     out, st.stop = out[:limit - n_emitted], st.stop or "n_predict"
+                if lp is not None:       # row j of the verify pass is the distribution of emitted token j
+                    rows = self.ctx.logits_rows()
+                    lp.extend(token_logprob(rows[j], t, n_top) for j, t in enumerate(out))
                 ctx_tokens.extend(out)
                 n_emitted += len(out)
                 yield out

@@ -68,6 +68,30 @@ class Verdict:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target (its raw logits at that position,
+    temperature 1, before any sampling transform), and the n most likely tokens there, best first.
+    In exact mode these come from bit-identical logits rows, so they are the same with any spec type."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, n_top: int = 0) -> TokenLogprob:
+    """logits: float32 [n_vocab], the target's row for the position of `token`."""
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if n_top > 0:
+        idx = np.argpartition(-x, min(n_top, x.size - 1))[:n_top]
+        idx = idx[np.lexsort((idx, -x[idx]))]              # best first; ties: lower id first
+        top = tuple((int(i), float(x[i] - lse)) for i in idx)
+    return TokenLogprob(int(token), float(x[token] - lse), top)
+
+
+@dataclass(frozen=True, slots=True)
 class TargetPass:
     """One target decode: tokens int32 [n] at positions pos0..pos0+n-1, of which the first n_keep
     stay in the target's KV cache (a prompt chunk keeps all; a verify pass [id_last, d1..dk] keeps

@@ -398,13 +398,13 @@ BAD = [
     ("/completion", {"prompt": "x", "speculative": {"type": "ngram-simple,medusa"}}, 400, "unknown_spec_type"),
     ("/nowhere", {}, 404, "not_found"),
     # fields that would change the answer and are not implemented: refused, never ignored
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2, "stream": True}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400,
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "stream": True}, 400,
      "unsupported_parameter"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
-     "unsupported_parameter"),
+     "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "unsupported_parameter"),
@@ -420,6 +420,11 @@ BAD = [
                                             "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400,
      "unsupported_parameter"),
     ("/completion", {"prompt": "x", "n_probs": 5}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.0}, 400,
+     "unsupported_parameter"),
+    ("/completion", {"prompt": "x", "repeat_penalty": 1.1}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "unsupported_parameter"),
     ("/completion", {"prompt": "x", "grammar": "root ::= \"a\""}, 400, "unsupported_parameter"),
     ("/completion", {"prompt": "x", "json_schema": {"type": "object"}}, 400, "unsupported_parameter"),
 ]
@@ -462,8 +467,8 @@ def test_bad_input_messages_say_what_is_wrong(server):
         return server.post(path, body).json()["error"]["message"]
 
     one = [{"role": "user", "content": "x"}]
-    assert msg("/v1/completions", {"prompt": "x", "logprobs": 1}).startswith("logprobs: not supported")
-    assert msg("/v1/chat/completions", {"messages": one, "top_logprobs": 1}).startswith("top_logprobs: not supported")
+    assert "logprobs with stream" in msg("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True})
+    assert "top_logprobs needs logprobs: true" in msg("/v1/chat/completions", {"messages": one, "top_logprobs": 1})
     assert msg("/v1/chat/completions", {"messages": one, "tools": [{}]}).startswith("tools: not supported")
     assert msg("/v1/chat/completions", {"messages": one, "response_format": {"type": "json_object"}}).startswith(
         "response_format: not supported")
@@ -472,7 +477,8 @@ def test_bad_input_messages_say_what_is_wrong(server):
     assert msg("/completion", {"prompt": "x", "n_probs": 2}).startswith("n_probs: not supported")
     # logprobs false, tool_choice "none", response_format text and an empty tools list change nothing: accepted
     ok = server.post("/v1/chat/completions", {"messages": one, "max_tokens": 1, "logprobs": False, "tools": [],
-                                              "tool_choice": "none", "response_format": {"type": "text"}})
+                                              "tool_choice": "none", "response_format": {"type": "text"},
+                                              "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}})
     assert ok.status_code == 200, ok.text
 
     assert "max_tokens" in msg("/v1/completions", {"prompt": "x", "max_tokens": 0})

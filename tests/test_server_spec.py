@@ -7,6 +7,7 @@ for the one waiting, and SIGTERM past the drain timeout ends a stream with an er
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import httpx
@@ -40,12 +41,42 @@ def test_server_level_ngram_equals_none(ngram_server):
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
+def test_logprobs_are_the_same_with_and_without_speculation(ngram_server):
+    """Each token's log-probability comes from the target's verified logits row for its position,
+    bit-identical in exact mode: the numbers do not depend on the spec type, greedy or sampled."""
+    c = ngram_server.client()
+    for temp in (0.0, 0.8):
+        kw = dict(model=MODEL, prompt="Repeat exactly:\n" + REPEAT, max_tokens=24, temperature=temp, seed=7, logprobs=3)
+        spec = c.completions.create(**kw)
+        plain = c.completions.create(**kw, extra_body={"speculative": {"type": "none"}})
+        a, b = spec.choices[0].logprobs, plain.choices[0].logprobs
+        assert spec.choices[0].text == plain.choices[0].text
+        assert a.tokens == b.tokens and a.token_logprobs == b.token_logprobs and a.top_logprobs == b.top_logprobs
+        assert "".join(a.tokens) == spec.choices[0].text and 0 < len(a.tokens) <= 24
+        assert a.text_offset == [sum(len(t) for t in a.tokens[:i]) for i in range(len(a.tokens))]
+        for lp, top in zip(a.token_logprobs, a.top_logprobs, strict=True):
+            assert len(top) == 3 and lp <= 0 and lp <= max(top.values()) + 1e-12
+            assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-9
+        if temp == 0.0:       # greedy: every token is the likeliest one
+            assert all(lp == max(top.values()) for lp, top in zip(a.token_logprobs, a.top_logprobs, strict=True))
+    msgs = [{"role": "user", "content": "Repeat exactly:\n" + REPEAT}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    spec = c.chat.completions.create(**kw)
+    plain = c.chat.completions.create(**kw, extra_body={"speculative": {"type": "none"}})
+    ca, cb = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert [(x.token, x.logprob, x.bytes) for x in ca] == [(x.token, x.logprob, x.bytes) for x in cb]
+    assert "".join(x.token for x in ca) == spec.choices[0].message.content
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == x.logprob for x in ca)
+
+
 @pytest.fixture(scope="module")
 def mtp_server(tmp_path_factory):
-    from specrun.gguf_spec.testmodel import Head, SynthConfig, write_test_model
+    from specrun.gguf_spec.testmodel import Head, SynthConfig
+    from specrun.kernels.testmodel import build_test_model
 
+    # Q8_0: exact equality is asserted below, and F16 weights are not batch-invariant (README)
     d = tmp_path_factory.mktemp("serve-mtp")
-    path = write_test_model(d / "mtp.gguf", SynthConfig(head=Head.parse("exact")), "f16")
+    path = build_test_model(d / "mtp.gguf", SynthConfig(head=Head.parse("exact")), "q8_0")
     srv = ServerProcess(d, "-m", str(path), "-c", "256", "-n", "24", "-t", "1",
                         "--spec-type", "draft-mtp")
     yield srv

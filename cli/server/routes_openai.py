@@ -25,11 +25,12 @@ def openai_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/completions", responses=sse_doc(Completion), summary="OpenAI text completion")
     async def completions(req: CompletionRequest, request: Request):
-        job = await state.job("/v1/completions", req, req.max_tokens, req.stop, lambda: state.tokens(req.prompt))
+        job = await state.job("/v1/completions", req, req.max_tokens, req.stop, lambda: state.tokens(req.prompt),
+                              logprobs=req.logprobs)
         head = {"id": oai_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": alias}
 
-        def choice(text: str, finish: str | None) -> dict:
-            return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        def choice(text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+            return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
 
         def last(o: Outcome) -> list:
             out = [{**head, "choices": [choice("", o.finish_reason)], "timings": state.timings(o)}]
@@ -42,7 +43,8 @@ def openai_router(state: ServerState) -> APIRouter:
             if req.stream:
                 return stream(run, state, [], lambda s: {**head, "choices": [choice(s, None)]}, last, done=True)
             o = await state.finish(run, client)
-        return {**head, "choices": [choice(o.text, o.finish_reason)], "usage": state.usage(job, o),
+        return {**head, "choices": [choice(o.text, o.finish_reason, state.completion_logprobs(o))],
+                "usage": state.usage(job, o),
                 "timings": state.timings(o)}
 
     @router.post("/v1/chat/completions", responses=sse_doc(ChatCompletion), summary="OpenAI chat completion")
@@ -50,7 +52,7 @@ def openai_router(state: ServerState) -> APIRouter:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = state.chat_format()
         job = await state.job("/v1/chat/completions", req, max_tokens, req.stop, lambda: state.chat_tokens(req),
-                              fmt.stop_tokens)
+                              fmt.stop_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         cid, created = oai_id("chatcmpl"), int(time.time())
         chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": alias}
 
@@ -71,7 +73,8 @@ def openai_router(state: ServerState) -> APIRouter:
             o = await state.finish(run, client)
         msg = {"role": "assistant", "content": o.text}
         return {"id": cid, "object": "chat.completion", "created": created, "model": alias,
-                "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": o.finish_reason}],
+                "choices": [{"index": 0, "message": msg, "logprobs": state.chat_logprobs(o),
+                             "finish_reason": o.finish_reason}],
                 "usage": state.usage(job, o), "timings": state.timings(o)}
 
     return router

@@ -1,9 +1,9 @@
 """Request and response bodies of `specrun serve` (pydantic; they make the published OpenAPI schema).
 
 Requests are strict (no "5" for 5, no NaN) and ignore fields they do not know, as OpenAI clients
-send a few (`user`, `frequency_penalty`...) that change nothing here. Fields that would change the
-answer and are not implemented (`logprobs`, `tools`, `response_format`, tool messages...) are
-refused with a 400 naming them, never ignored. A field left out (or null) takes the server's default,
+send a few (`user`, `metadata`...) that change nothing here. Fields that would change the answer
+and are not implemented (penalties, `logit_bias`, `tools`, `response_format`, tool messages...)
+are refused with a 400 naming them unless they hold their neutral value, never ignored. A field left out (or null) takes the server's default,
 which is the command line's (`--temp`, `-n`, `--spec-type`...). Every text must be Unicode: a lone
 UTF-16 surrogate (a JSON escape \\ud800 without its pair) is a 400 naming the field.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed, as -1 is
@@ -35,7 +35,9 @@ def unsupported(field: str, why: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_parameter", f"not supported by this server ({why}); leave {field} out")
 
 
-_NO_LOGPROBS = "the engine does not expose the target's verified distribution"
+_NO_STREAM_LOGPROBS = "log-probabilities come with the whole answer; ask without stream"
+_NO_N_PROBS = "ask POST /v1/completions with logprobs instead"
+_NO_PENALTIES = "the sampler has no penalties or logit bias yet"
 _NO_TOOLS = "it has no tool calling"
 _NO_GRAMMAR = "it generates plain text only, without constrained decoding"
 _TEXT_ONLY = 'only {"type": "text"}: anything else (JSON mode, a schema) is a 400'
@@ -67,7 +69,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _NoPenalties(_Body):
+    """The sampler's penalties and logit bias, accepted only at their neutral values."""
+
+    frequency_penalty: float | None = Field(None, description=f"only 0 ({_NO_PENALTIES})")
+    presence_penalty: float | None = Field(None, description=f"only 0 ({_NO_PENALTIES})")
+    repeat_penalty: float | None = Field(None, description=f"llama.cpp extension; only 1 ({_NO_PENALTIES})")
+    logit_bias: dict[str, float] | None = Field(None, description=f"only empty ({_NO_PENALTIES})")
+
+    @field_validator("frequency_penalty", "presence_penalty", "repeat_penalty", "logit_bias")
+    @classmethod
+    def _neutral_only(cls, v, info):
+        neutral = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repeat_penalty": 1.0}.get(info.field_name)
+        if v is not None and v != neutral and v != {}:
+            raise unsupported(info.field_name, _NO_PENALTIES)
+        return v
+
+
+class _Sampling(_NoPenalties):
     model: Text | None = Field(None, description="ignored: the server serves one model")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy")
     top_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -89,14 +108,15 @@ class CompletionRequest(_Sampling):
 
     prompt: Text | list[Text] | list[int] = Field(description="text, a list of one text, or token ids")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's -n)")
-    logprobs: int | None = Field(None, description=f"not supported: a 400 ({_NO_LOGPROBS})")
+    logprobs: int | None = Field(None, ge=0, le=20, description="the log-probability of each generated token "
+                                 "under the model (raw logits, the same with any speculative setting) and of the "
+                                 "`logprobs` most likely tokens at its position; not with stream")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v is not None:
-            raise unsupported("logprobs", _NO_LOGPROBS)
-        return v
+    @model_validator(mode="after")
+    def _logprobs_not_streamed(self):
+        if self.logprobs is not None and self.stream:
+            raise unsupported("logprobs with stream", _NO_STREAM_LOGPROBS)
+        return self
 
 
 class TextPart(_Body):
@@ -132,19 +152,22 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="the newer name of max_tokens")
-    logprobs: bool | None = Field(None, description=f"only false: true is a 400 ({_NO_LOGPROBS})")
-    top_logprobs: int | None = Field(None, description=f"not supported: a 400 ({_NO_LOGPROBS})")
+    logprobs: bool | None = Field(None, description="the log-probability of each generated token under the model "
+                                  "(raw logits, the same with any speculative setting); not with stream")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the most likely tokens at "
+                                     "each position")
     tools: list[Any] | None = Field(None, description="not supported: a 400 unless empty")
     tool_choice: str | dict[str, Any] | None = Field(None, description="only \"none\": anything else is a 400")
     functions: list[Any] | None = Field(None, description="not supported: a 400 unless empty")
     function_call: str | dict[str, Any] | None = Field(None, description="only \"none\": anything else is a 400")
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, v, info):
-        if v is not None and v is not False:
-            raise unsupported(info.field_name, _NO_LOGPROBS)
-        return v
+    @model_validator(mode="after")
+    def _logprobs_not_streamed(self):
+        if self.logprobs and self.stream:
+            raise unsupported("logprobs with stream", _NO_STREAM_LOGPROBS)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs: true")
+        return self
 
     @field_validator("tools", "functions")
     @classmethod
@@ -161,7 +184,7 @@ class ChatRequest(_Sampling):
         return v
 
 
-class LlamaCompletionRequest(_Body):
+class LlamaCompletionRequest(_NoPenalties):
     """POST /completion, llama-server's own endpoint."""
 
     prompt: Text | list[int]
@@ -175,7 +198,7 @@ class LlamaCompletionRequest(_Body):
     stream: bool = False
     cache_prompt: bool = Field(True, description="accepted for compatibility; the slot's KV cache is always reused")
     speculative: Speculative | None = None
-    n_probs: int | None = Field(None, description=f"only 0: more is a 400 ({_NO_LOGPROBS})")
+    n_probs: int | None = Field(None, description=f"only 0: more is a 400 ({_NO_N_PROBS})")
     grammar: Text | None = Field(None, description="not supported: a 400 unless empty")
     json_schema: dict[str, Any] | None = Field(None, description="not supported: a 400 unless empty")
     response_format: dict[str, Any] | None = Field(None, description=_TEXT_ONLY)
@@ -184,7 +207,7 @@ class LlamaCompletionRequest(_Body):
     @classmethod
     def _no_probs(cls, v):
         if v:
-            raise unsupported("n_probs", _NO_LOGPROBS)
+            raise unsupported("n_probs", _NO_N_PROBS)
         return v
 
     @field_validator("grammar", "json_schema")
@@ -230,10 +253,17 @@ class Timings(BaseModel):
     drafts: int = Field(description="drafts (proposals of one or more tokens) verified")
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -252,10 +282,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

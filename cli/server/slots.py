@@ -26,7 +26,7 @@ import numpy as np
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import SpecParams
 from specrun.kernels.stats import GenStats
-from specrun.kernels.types import SamplingParams, common_prefix
+from specrun.kernels.types import SamplingParams, TokenLogprob, common_prefix
 
 from ..runtime.text import TextRun
 
@@ -46,6 +46,7 @@ class Job:
     spec: SpecParams | None      # None: the server's --spec-* options
     stop: tuple[str, ...] = ()
     stop_tokens: frozenset[int] = frozenset()   # a chat template's turn stops (chat requests)
+    logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,7 @@ class Outcome:
     stopping_word: str
     n_cached: int                # prompt tokens reused from the slot's KV cache
     stats: GenStats
+    logprobs: list[TokenLogprob] | None = None   # one per token of `tokens`, when the job asked
 
     @property
     def finish_reason(self) -> str | None:
@@ -65,7 +67,8 @@ class Outcome:
 def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: threading.Event) -> Outcome:
     """Run one job on one engine (in the slot's thread); emit(text) as it is decided. cancel stops
     it between two prompt chunks or two target passes (stop_type "interrupted")."""
-    gen = engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec, cancel=cancel.is_set)
+    gen = engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec, cancel=cancel.is_set,
+                          logprobs=job.logprobs)
     run = TextRun(gen, engine.model, stops=job.stop, stop_tokens=job.stop_tokens, cancel=cancel.is_set)
     try:
         for piece in run:
@@ -75,7 +78,8 @@ def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: thre
     c = run.result
     st = c.stats
     cached = len(job.prompt) - st.n_prompt if st.n_gen else 0   # n_gen == 0: no prefill (n_predict 0)
-    return Outcome(c.text, c.tokens, _STOP_TYPE.get(c.stop, "limit"), c.stopping_word, cached, st)
+    lp = None if gen.logprobs is None else gen.logprobs[:len(c.tokens)]
+    return Outcome(c.text, c.tokens, _STOP_TYPE.get(c.stop, "limit"), c.stopping_word, cached, st, lp)
 
 
 class Busy(Exception):

@@ -169,7 +169,7 @@ class ServerState:
         return fmt
 
     async def job(self, endpoint: str, req, n_predict: int | None, stop, prompt: Callable[[], list[int]],
-                  stop_tokens: frozenset[int] = frozenset()) -> Job:
+                  stop_tokens: frozenset[int] = frozenset(), logprobs: int | None = None) -> Job:
         """Check the request, then prepare its prompt (tokenize, render) in a worker thread, so the
         event loop keeps answering while a large prompt is tokenized."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -183,7 +183,7 @@ class ServerState:
             tokens = await asyncio.to_thread(prompt)
         finally:
             self.metrics.preparing(-1)
-        return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens)
+        return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs)
 
     # -- running -----------------------------------------------------------------------------
     async def start(self, job: Job, client: Client) -> Run:
@@ -258,6 +258,34 @@ class ServerState:
                 "predicted_per_token_ms": gm / st.n_gen if st.n_gen else 0.0,
                 "predicted_per_second": st.gen_tps, "draft_n": st.n_drafted, "draft_n_accepted": st.n_accepted,
                 "drafts": sum(d.n_gen_drafts for d in st.drafters)}
+
+    def _logprob_tokens(self, o: Outcome) -> list:
+        """The generated tokens' TokenLogprobs, without end-of-generation tokens (they are not text)."""
+        return [t for t in o.logprobs or () if not self.model.is_eog(t.token)]
+
+    def _text(self, token: int) -> str:
+        return self.model.piece(token).decode("utf-8", errors="replace")
+
+    def completion_logprobs(self, o: Outcome) -> dict | None:
+        """OpenAI's legacy `logprobs` of a text completion (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if o.logprobs is None:
+            return None
+        lps = self._logprob_tokens(o)
+        tokens = [self._text(t.token) for t in lps]
+        offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
+                "top_logprobs": [{self._text(i): lp for i, lp in t.top} for t in lps], "text_offset": offsets}
+
+    def chat_logprobs(self, o: Outcome) -> dict | None:
+        """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+        if o.logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": self._text(token), "logprob": logprob, "bytes": list(self.model.piece(token))}
+
+        return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in self._logprob_tokens(o)]}
 
     @staticmethod
     def usage(job: Job, o: Outcome) -> dict:
