@@ -6,7 +6,9 @@ never read as `-f oo`."""
 from __future__ import annotations
 
 import difflib
+import faulthandler
 import re
+import sys
 
 import click
 
@@ -101,6 +103,12 @@ _register()
 
 
 def main() -> None:
+    # A native crash (a llama.cpp SIGSEGV / SIGILL / abort) still ends in one readable "Fatal
+    # Python error: ..." line and a Python traceback on stderr. SIGINT is not among its signals.
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, RuntimeError, ValueError):   # stderr missing or without a descriptor
+        pass
     cli(prog_name="specrun")
 
 

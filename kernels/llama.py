@@ -31,6 +31,8 @@ MAX_EXACT_BATCH = 63  # flash attention switches to its tiled kernel at 64 query
 import llama_cpp as L  # noqa: E402  (after the module docstring's contract; imports the native lib)
 from llama_cpp import llama_cpp_ext as X  # noqa: E402
 
+from . import cpu_probe  # noqa: E402
+
 _backend_lock = threading.Lock()
 _backend_ready = False
 _exact_process: bool | None = None  # whether this process runs with the tiled matmul off
@@ -104,6 +106,8 @@ class Model:
         mp.load_mtp = load_mtp
         if exact:
             mp.use_extra_bufts = False
+        else:   # repacked weights: AMX's only where a child process has seen it work (cpu_probe)
+            mp.use_extra_bufts = cpu_probe.extra_bufts_plan().extra_bufts
         _last_error.clear()
         self._ptr = L.llama_model_load_from_file(self.path.encode(), mp)
         if not self._ptr:
