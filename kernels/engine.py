@@ -36,6 +36,7 @@ from specrun.gguf_spec.errors import SpecrunError
 from .drafters import TargetView, draft_n_max, drafter_key, make_drafter
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import EngineParams, SpecParams
+from .prefill import FastPrefill, fast_len
 from .sampling import sample
 from .stats import DrafterStats, GenStats
 from .types import (
@@ -131,8 +132,15 @@ class Engine:
                 n_ctx=params.n_ctx or self.model.n_ctx_train, n_batch=max(params.n_batch, self.n_max_cap + 1),
                 n_threads=params.n_threads, n_rs_seq=self.n_max_cap, nextn="all" if self.mtp_enabled else None))
             self.n_ctx = self.ctx.n_ctx
-            self.target = TargetView(self.model, self.ctx, self.n_ctx, self.ctx.n_batch, params.n_threads, params.exact)
             self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
+            # long prompts: their whole 512-token blocks through the fast prompt context (F16 KV),
+            # handed over to the exact context; not for MTP (hidden rows) nor recurrent memory
+            self.fast = (FastPrefill(self.model, self.n_ctx, params.n_threads, self.ctx.kv_rot)
+                         if params.exact and params.fast_prefill and not self.mtp_enabled
+                         and not self.model.recurrent else None)
+            self._restored = 0   # fast_len of the state the exact context was loaded from; 0: none
+            self.target = TargetView(self.model, self.ctx, self.n_ctx, self.ctx.n_batch, params.n_threads,
+                                     params.exact, self.fast is not None)
             self.drafters = self.drafters_for(spec)
         except BaseException:
             self.close()
@@ -162,6 +170,8 @@ class Engine:
         for d in self.__dict__.get("_drafters", {}).values():
             d.close()
         self._drafters = {}
+        if self.__dict__.get("fast") is not None:
+            self.fast.close()
         if self.__dict__.get("ctx") is not None:
             self.ctx.close()
         if self.__dict__.get("_own_model") and self.__dict__.get("model") is not None:
@@ -179,6 +189,7 @@ class Engine:
     def reset(self) -> None:
         self.ctx.clear()
         self.kv_tokens = []
+        self._restored = 0
 
     # -- the loop ----------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], n_predict: int = -1, sampling: SamplingParams = _SAMPLING_DEFAULT,
@@ -339,19 +350,41 @@ class Engine:
         """Bring the KV cache to hold the prompt (reusing the common prefix the target and every
         drafter can keep) and return the logits row of its last token (a view, valid until the
         next decode); None when cancel() stopped it between two chunks (the chunks evaluated stay
-        in the cache, ready for a retry)."""
+        in the cache, ready for a retry).
+
+        With the fast prompt context, positions [0, fast_len(n)) come from it (kernels/prefill.py)
+        and the rest is evaluated here; the cache is reused only where it was computed the way a
+        fresh evaluation of this prompt computes it, so the result never depends on the history."""
         n = len(prompt)
         if self.ctx.pos_max() + 1 != len(self.kv_tokens):
             # an interrupt between a decode and its bookkeeping: trust nothing, start over
             log.info("KV cache (%d) and its token list (%d) disagree; clearing", self.ctx.pos_max() + 1,
                      len(self.kv_tokens))
             self.reset()
+        fast = fast_len(n) if self.fast is not None else 0
         keep = min(common_prefix(self.kv_tokens, prompt), n - 1)
+        if self._restored != fast:         # positions computed another way than a fresh run would
+            keep = min(keep, fast)
         for d in drafters:
             keep = min(keep, d.begin(prompt, keep, opts))
-        keep = self.ctx.keep_prefix(keep, len(self.kv_tokens))
-        self.kv_tokens = prompt[:keep].tolist()
         st.n_prompt = n - keep
+        start = keep
+        if fast and (self._restored != fast or keep < fast):
+            # never roll a loaded state back below its last position (sliding-window layers keep only
+            # the window below it): load it again
+            if not self._hand_over(prompt[:fast], cancel, st):
+                return None
+            st.n_prompt = st.n_prompt_fast + n - fast
+            for s in range(keep, fast, self.ctx.n_ubatch):   # the drafters follow without target rows
+                chunk = prompt[s:min(s + self.ctx.n_ubatch, fast)]
+                for d in drafters:
+                    d.accept(TargetPass(chunk, s, len(chunk), None))
+            start = fast
+        else:
+            start = keep = self.ctx.keep_prefix(keep, len(self.kv_tokens))
+            if keep < self._restored:
+                self._restored = 0
+            self.kv_tokens = prompt[:keep].tolist()
 
         def on_chunk(chunk: np.ndarray, pos0: int) -> bool:
             tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk))
@@ -360,6 +393,28 @@ class Engine:
             self.kv_tokens.extend(chunk.tolist())
             return not cancel()
 
-        if not self.ctx.decode_chunks(prompt[keep:], keep, on_chunk, chunk=self.ctx.n_ubatch):
+        if not self.ctx.decode_chunks(prompt[start:], start, on_chunk, chunk=self.ctx.n_ubatch):
             return None
         return self.ctx.logits_rows()[-1]
+
+    def _hand_over(self, head: np.ndarray, cancel: Callable[[], bool], st: GenStats) -> bool:
+        """Load the exact context with the fast context's state for head (whole blocks). False when
+        cancel() stopped it. A model whose state cannot be handed over turns the fast path off for
+        good (one log line) and the head is evaluated here like the rest."""
+        self.ctx.clear()
+        self.kv_tokens, self._restored = [], 0
+        try:
+            state = self.fast.state(head, cancel)
+            if state is None:
+                return False
+            self.ctx.state_set(state)
+        except SpecrunError as e:
+            log.warning("fast prompt evaluation is off for this model: %s", e)
+            self.fast.close()
+            self.fast = None
+            self.ctx.decode_chunks(head, 0, chunk=self.ctx.n_ubatch)
+            self.kv_tokens = head.tolist()
+            return True
+        self.kv_tokens, self._restored = head.tolist(), len(head)
+        st.n_prompt_fast, st.fast_kv_mib = self.fast.n_evaluated, self.fast.kv_mib
+        return True

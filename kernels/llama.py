@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 
@@ -49,12 +50,26 @@ _llama_log = logging.getLogger("llama.cpp")
 
 _GGML_LOG_ERROR = 4
 _last_error: list[str] = []   # llama.cpp's latest error line: the reason a load or init failed
+# what the KV caches of the context being created said of their Hadamard rotation (quantized caches):
+# "attn_rot_k = 1, n_embd_head_k_all = 64" -> {"k": (1, 64)}; read by Context.__init__
+_kv_rot_said: dict[str, tuple[int, int]] = {}
+_ROT_LINE = re.compile(r"attn_rot_([kv]) = (\d+), n_embd_head_k_all = (-?\d+)")
+_buffers_said: list[tuple[str, float]] = []   # ("KV" | "output" | "compute", MiB) of the context being created
+_BUF_LINE = re.compile(r"(KV|output|compute) buffer size =\s*([\d.]+) MiB")
 
 
 @L.llama_log_callback
 def _log_callback(level, text, user_data):  # pragma: no cover - called from C
     """llama.cpp's own log goes to the `llama.cpp` logger at INFO (shown with -v); its latest error
     line is kept to explain a failed load or context."""
+    if b"attn_rot_" in text:
+        m = _ROT_LINE.search(text.decode("ascii", errors="replace"))
+        if m:
+            _kv_rot_said[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    elif b"buffer size =" in text:
+        m = _BUF_LINE.search(text.decode("ascii", errors="replace"))
+        if m:
+            _buffers_said.append((m.group(1), float(m.group(2))))
     if level == _GGML_LOG_ERROR or _llama_log.isEnabledFor(logging.INFO):
         msg = text.decode("utf-8", errors="replace").strip()
         if msg and level == _GGML_LOG_ERROR:
@@ -119,6 +134,7 @@ class Model:
         self.n_embd_out = int(L.llama_model_n_embd_out(self._ptr))
         self.n_ctx_train = int(L.llama_model_n_ctx_train(self._ptr))
         self.n_layer_nextn = int(L.llama_model_n_layer_nextn(self._ptr))
+        self.recurrent = bool(L.llama_model_is_recurrent(self._ptr) or L.llama_model_is_hybrid(self._ptr))
         self.bos = int(L.llama_vocab_bos(self.vocab))
         self.eos = int(L.llama_vocab_eos(self.vocab))
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
@@ -204,6 +220,16 @@ class ContextParams:
     n_rs_seq: int = 0           # recurrent-state snapshots per sequence (hybrid models' rollback)
     mtp: bool = False           # an MTP draft context (ctx_type = LLAMA_CONTEXT_TYPE_MTP)
     nextn: str | None = None    # export hidden rows for MTP: "all" (every row) or "outputs"
+    kv_f16: bool = False        # exact-mode model, F16 KV cache: the fast prompt context (kernels/prefill.py);
+                                # its rows are not batch-invariant, so it never decodes or verifies
+
+
+def _k_rot_block(n_embd_head_k: int) -> int:
+    """llama_kv_cache::build_input_k_rot: the largest power of two >= 64 that divides the head size."""
+    n = 64
+    while n_embd_head_k % (2 * n) == 0:
+        n *= 2
+    return n
 
 
 class Context:
@@ -229,8 +255,9 @@ class Context:
         cp.no_perf = False
         if model.exact:
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            cp.type_k = L.GGML_TYPE_Q8_0
-            cp.type_v = L.GGML_TYPE_Q8_0
+            kv = L.GGML_TYPE_F16 if params.kv_f16 else L.GGML_TYPE_Q8_0
+            cp.type_k = kv
+            cp.type_v = kv
         if params.mtp:
             if not model.load_mtp or model.n_layer_nextn <= 0:
                 # llama.cpp aborts the whole process in this case; refuse before calling it.
@@ -241,11 +268,21 @@ class Context:
             if ctx_other is not None:
                 cp.ctx_other = ctx_other.ptr
         _last_error.clear()
+        _kv_rot_said.clear()
+        _buffers_said.clear()
         self._ptr = L.llama_init_from_model(model.ptr, cp)
         if not self._ptr:
             raise LlamaError(f"{model.path}: llama.cpp could not create a context "
                              f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}){_reason()}; try a smaller -c")
         self.n_ctx = int(L.llama_n_ctx(self._ptr))
+        # quantized KV caches store Hadamard-rotated K and V rows (llama-kv-cache.cpp: K in blocks of
+        # the largest power of two >= 64 dividing the head size, V in blocks of 64); 0 = not rotated
+        rot_k, head_k = _kv_rot_said.get("k", (0, 0))
+        self.kv_rot = (_k_rot_block(head_k) if rot_k else 0, 64 if _kv_rot_said.get("v", (0, 0))[0] else 0)
+        # MiB of its KV cache (allocated and cleared: resident), and of the compute and output buffers
+        # llama.cpp reserves for a worst-case batch (resident only as far as a batch touches them)
+        self.kv_mib = sum(v for k, v in _buffers_said if k == "KV")
+        self.buffers_mib = sum(v for k, v in _buffers_said if k != "KV")
         self.n_batch = params.n_batch
         self.n_ubatch = cp.n_ubatch
         self.n_vocab = model.n_vocab
@@ -380,6 +417,28 @@ class Context:
 
     def pos_max(self) -> int:
         return int(L.llama_memory_seq_pos_max(self.mem, 0))
+
+    def state_get(self) -> bytes:
+        """Seq 0's state as llama.cpp writes it (llama_state_seq_get_data): its KV cells, by layer."""
+        n = L.llama_state_seq_get_size(self.ptr, 0)
+        buf = (ctypes.c_uint8 * n)()
+        got = L.llama_state_seq_get_data(self.ptr, buf, n, 0)
+        if got != n:
+            raise LlamaError(f"llama_state_seq_get_data wrote {got} of {n} bytes")
+        return bytes(buf)
+
+    def state_set(self, state: bytes) -> None:
+        """Replace seq 0 with `state` (state_get() of a context of the same model and cache types).
+        The memory is cleared first, so the cells are laid out from the first one in position order,
+        as a fresh evaluation lays them out. On a sliding-window model only the window below the
+        state's last position comes back: never seq_rm such a context below that position."""
+        self.clear()
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        got = L.llama_state_seq_set_data(self.ptr, buf, len(state), 0)
+        if got != len(state):
+            self.clear()
+            raise LlamaError(f"llama_state_seq_set_data read {got} of {len(state)} bytes "
+                             f"(a state from a context of another model or cache type){_reason()}")
 
     def decode_with_hidden(self, tokens, pos0: int, hidden: np.ndarray, logits: str = "last") -> None:
         """An MTP context's input: row j = (token x_j, position pos0+j, hidden row h_j), where

@@ -49,6 +49,8 @@ class EngineParams:
     n_batch: int = 2048
     n_threads: int = 0
     exact: bool = True
+    fast_prefill: bool = True          # exact mode: long prompts' whole 512-token blocks through an F16-KV
+                                       # context, handed over (kernels/prefill.py); False saves its KV memory
     spec: SpecParams = field(default_factory=SpecParams)
     draft_model: str | None = None     # -md: a draft GGUF (draft-simple) or MTP heads (draft-mtp)
     exact_caveat: str | None = None    # why exact mode may not be bit-exact for these weights (stats line)

@@ -100,6 +100,9 @@ def model_options(f):
                   help="llama.cpp's model loading mode (accepted; the model is memory-mapped)")
     @click.option("--no-exact", "no_exact", is_flag=True,
                   help="llama.cpp's fastest kernels; verify logits may then differ from one-token decoding")
+    @click.option("--fast-prefill/--no-fast-prefill", "fast_prefill", default=True, show_default=True,
+                  help="exact mode: evaluate a long prompt's whole 512-token blocks with an F16 KV cache (llama.cpp's "
+                       "fast kernels) and hand them to the exact context; off saves that cache's memory")
     @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp and specrun internals to stderr")
     @functools.wraps(f)
     def wrapper(*a, **k):
@@ -270,7 +273,8 @@ def engine_params(kw: dict, spec: SpecParams | None = None) -> EngineParams:
     for line in unapplied(kw):
         note(line)
     return EngineParams(n_ctx=kw["ctx_size"], n_batch=kw["batch_size"], n_threads=kw["threads"],
-                        exact=not kw["no_exact"], spec=spec, draft_model=kw["model_draft"])
+                        exact=not kw["no_exact"], fast_prefill=kw.get("fast_prefill", True), spec=spec,
+                        draft_model=kw["model_draft"])
 
 
 def sampling_params(kw: dict) -> SamplingParams:

@@ -26,6 +26,7 @@ class TargetView:
     n_batch: int
     n_threads: int
     exact: bool
+    fast_prefill: bool = False   # the target evaluates long prompts through kernels/prefill.py
 
 
 def softmax_max(logits: np.ndarray) -> tuple[int, float]:

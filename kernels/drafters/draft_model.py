@@ -14,10 +14,11 @@ from typing import ClassVar
 import numpy as np
 
 from specrun.gguf_spec.compat import check_draft_compatible
-from specrun.gguf_spec.errors import IncompatibleDraft
+from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import load_spec
 
 from ..llama import Context, ContextParams, Model
+from ..prefill import FastPrefill, fast_len
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
 from .base import TargetView, draft_token
 
@@ -45,14 +46,37 @@ class DraftModel:
             raise
         self.kv: list[int] = []            # tokens in the draft KV at positions 0..len-1
         self.opts = DraftOptions()
+        # the target's rule for long prompts, so that a draft with the target's weights holds the
+        # target's KV (and accepts everything at temperature 0) and a small one evaluates fast too
+        self.fast = (FastPrefill(self.model, target.n_ctx, target.n_threads, self.ctx.kv_rot)
+                     if target.fast_prefill and not self.model.recurrent else None)
+        self._restored = 0                 # fast_len of the state loaded into self.ctx; 0: none
 
     def close(self) -> None:
+        if self.fast is not None:
+            self.fast.close()
         self.ctx.close()
         self.model.close()
 
     def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
-        """The draft KV is brought to the context lazily, in propose(): any prefix will do."""
+        """A long prompt's whole blocks come from the fast prompt context now (never rolled back
+        below them afterwards); the rest of the draft KV is brought to the context lazily, in
+        propose(): any prefix will do."""
         self.opts = opts
+        fast = fast_len(len(prompt)) if self.fast is not None else 0
+        if fast and (self._restored != fast or common_prefix(self.kv, prompt) < fast):
+            self.ctx.clear()
+            self.kv, self._restored = [], 0
+            try:
+                self.ctx.state_set(self.fast.state(prompt[:fast], lambda: False))
+                self.kv, self._restored = prompt[:fast].tolist(), fast
+            except SpecrunError as e:
+                log.warning("fast prompt evaluation is off for the draft model: %s", e)
+                self.fast.close()
+                self.fast = None
+        elif self._restored != fast:
+            self.ctx.clear()
+            self.kv, self._restored = [], 0
         return n_keep
 
     def _sync(self, ctx: np.ndarray) -> None:
@@ -87,6 +111,6 @@ class DraftModel:
         """Forget the drafted tokens the target rejected, so the next propose() re-syncs from the
         last accepted one (llama.cpp's draft-simple does the same through its prompt cache)."""
         end = tp.pos0 + tp.n_keep
-        if len(self.kv) > end and self.kv[tp.pos0:end] == [int(t) for t in tp.tokens[:tp.n_keep]]:
+        if end >= self._restored and len(self.kv) > end and self.kv[tp.pos0:end] == [int(t) for t in tp.tokens[:tp.n_keep]]:
             self.ctx.keep_prefix(end, len(self.kv))
             del self.kv[end:]

@@ -1,0 +1,123 @@
+"""A sequence's KV state as llama.cpp serializes it, re-encoded from F16 to Q8_0 rows.
+
+The fast prompt context (kernels/prefill.py) keeps an F16 KV cache and the exact decode context a
+Q8_0 one; ``llama_state_seq_set_data`` refuses a state of another cache type, so the hand-over
+re-encodes every K and V row. The layout read here is llama.cpp 0.3.36's
+(src/llama-kv-cache.cpp, ``state_write``; an iSWA model writes its full cache, then its window
+cache), for one sequence of a model without per-cell extensions (M-RoPE) and with V not
+transposed (flash attention on)::
+
+    u32 magic 0xaf143cd8, i32 seq_id; then per cache:
+    u32 n_stream; per stream: u32 n_cells; n_cells x (i32 pos, u32 n_seq=1, i32 seq_id);
+        u32 v_trans=0, u32 n_layer; n_layer x (i32 type, u64 row_bytes, n_cells rows) for K,
+        then the same for V
+Anything else is refused with KVStateError, and the caller keeps the exact path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrun.gguf_spec.errors import SpecrunError
+
+GGML_F16, GGML_Q8_0 = 1, 8
+IO_MAGIC = 0xAF143CD8         # llama-context.cpp's io_magic, first in every sequence state
+QK8_0 = 32                    # values per Q8_0 block: f16 scale + 32 x int8 = 34 bytes
+
+
+class KVStateError(SpecrunError):
+    """A serialized state this module cannot re-encode (another layout or cache type)."""
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """float [n, k] (k % 32 == 0) -> uint8 [n, k / 32 * 34]: ggml's Q8_0 rows (scale = amax / 127,
+    values rounded half to even). Deterministic, so every path that hands over gets the same rows."""
+    n, k = x.shape
+    b = x.astype(np.float32).reshape(n, k // QK8_0, QK8_0)
+    d = np.abs(b).max(axis=2) / 127.0                                   # [n, k/32]
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    out = np.empty((n, k // QK8_0, 2 + QK8_0), dtype=np.uint8)              # block_q8_0: f16 d, int8 qs[32]
+    out[..., :2] = d.astype("<f2")[..., None].view(np.uint8)
+    out[..., 2:] = np.rint(b * inv[..., None]).astype(np.int8).view(np.uint8)
+    return out.reshape(n, -1)
+
+
+class _Reader:
+    def __init__(self, blob: bytes) -> None:
+        self.b, self.i = memoryview(blob), 0
+
+    def take(self, n: int) -> memoryview:
+        if self.i + n > len(self.b):
+            raise KVStateError(f"state ends at byte {len(self.b)}, {n} more expected at {self.i}")
+        v = self.b[self.i:self.i + n]
+        self.i += n
+        return v
+
+    def u32(self) -> int:
+        return int(np.frombuffer(self.take(4), "<u4")[0])
+
+    def i32(self) -> int:
+        return int(np.frombuffer(self.take(4), "<i4")[0])
+
+    def u64(self) -> int:
+        return int(np.frombuffer(self.take(8), "<u8")[0])
+
+
+def hadamard(n: int) -> np.ndarray:
+    """float32 [n, n]: the orthonormal Walsh-Hadamard matrix of llama-kv-cache.cpp's
+    ggml_gen_hadamard (Sylvester's construction / sqrt(n); symmetric, H @ H = I)."""
+    h = np.ones((1, 1), dtype=np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def _rows(r: _Reader, out: list[bytes], n_cells: int, n_layer: int, rot: int) -> None:
+    """Re-encode one cache's K (or V) section: n_layer x (type, row size, n_cells rows), each row
+    rotated in blocks of `rot` values first (0: not rotated)."""
+    h = hadamard(rot) if rot else None
+    for _ in range(n_layer):
+        t, row = r.i32(), r.u64()
+        if t != GGML_F16 or row % (2 * QK8_0):
+            raise KVStateError(f"KV rows of type {t} and {row} bytes; expected F16 rows of a multiple of "
+                               f"{QK8_0} values")
+        x = np.frombuffer(r.take(n_cells * row), "<f2").reshape(n_cells, row // 2)
+        if h is not None:
+            if x.shape[1] % rot:
+                raise KVStateError(f"KV rows of {x.shape[1]} values do not split into rotation blocks of {rot}")
+            x = (x.astype(np.float32).reshape(-1, rot) @ h).reshape(x.shape)
+        q = quantize_q8_0(x)
+        out += [np.int32(GGML_Q8_0).tobytes(), np.uint64(q.shape[1]).tobytes(), q.tobytes()]
+
+
+def f16_to_q8_0(blob: bytes, rot: tuple[int, int] = (0, 0)) -> bytes:
+    """A one-sequence state with F16 K/V rows (llama_state_seq_get_data) -> the same state with
+    Q8_0 rows, ready for llama_state_seq_set_data on a Q8_0-cache context. rot: the (K, V)
+    Hadamard block sizes that context applies before it stores rows (Context.kv_rot; llama.cpp
+    rotates quantized caches, an F16 cache holds the rows unrotated). Raises KVStateError for any
+    layout but the one in the module docstring."""
+    r = _Reader(blob)
+    if r.u32() != IO_MAGIC:
+        raise KVStateError("not a llama.cpp sequence state (wrong magic)")
+    out = [bytes(r.b[:8])]                              # magic, seq_id
+    r.i32()
+    while r.i < len(r.b):                               # one section per KV cache (iSWA: two)
+        n_stream = r.u32()
+        out.append(np.uint32(n_stream).tobytes())
+        for _ in range(n_stream):
+            n_cells = r.u32()
+            out.append(np.uint32(n_cells).tobytes())
+            if n_cells == 0:
+                continue
+            meta = np.frombuffer(r.take(12 * n_cells), "<i4").reshape(n_cells, 3)
+            if not (meta[:, 1] == 1).all() or not (meta[:, 2] == 0).all():
+                raise KVStateError("KV cells of several sequences or with extensions (M-RoPE); "
+                                   "only one plain sequence can be handed over")
+            out.append(meta.tobytes())
+            v_trans, n_layer = r.u32(), r.u32()
+            if v_trans:
+                raise KVStateError("a transposed V cache (flash attention off) cannot be handed over")
+            out.append(np.array([v_trans, n_layer], "<u4").tobytes())
+            _rows(r, out, n_cells, n_layer, rot[0])     # K
+            _rows(r, out, n_cells, n_layer, rot[1])     # V
+    return b"".join(out)

@@ -1,0 +1,227 @@
+"""The fast prompt context (kernels/prefill.py) and the KV-state re-encoding (kernels/kvstate.py).
+
+What must hold: a prompt's result (tokens and logits) is a function of its tokens alone, whatever
+the caches held before (fresh, after another prompt, after a chat turn); speculative output still
+equals plain decoding through the hand-over; a model whose state cannot be handed over falls back
+to the exact path with one warning; --no-fast-prefill is the exact path of before.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrun.kernels import kvstate
+from specrun.kernels.drafters import DraftModel
+from specrun.kernels.engine import Engine
+from specrun.kernels.kvstate import KVStateError, f16_to_q8_0, hadamard, quantize_q8_0
+from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.prefill import BLOCK, fast_len
+from specrun.kernels.types import SamplingParams
+
+_CODE = (Path(__file__).parent / "data" / "copy_source.txt").read_text()
+GREEDY = SamplingParams(temp=0.0)
+SEEDED = SamplingParams(temp=0.8, seed=77)
+
+
+# ---- units -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 0), (512, 0), (513, 512), (1024, 512), (1025, 1024),
+                                         (1600, 1536)])
+def test_fast_len_whole_blocks_and_never_the_last_token(n, want):
+    assert fast_len(n) == want
+    assert fast_len(n) % BLOCK == 0 and fast_len(n) <= max(n - 1, 0)
+
+
+def test_quantize_q8_0_by_hand():
+    x = np.arange(64, dtype=np.float32).reshape(1, 64) - 10         # blocks: -10..21, 22..53
+    q = quantize_q8_0(x)
+    assert q.shape == (1, 68)                                       # 2 blocks of 2 + 32 bytes
+    d = q[0, [0, 1, 34, 35]].view("<f2").astype(np.float32)
+    np.testing.assert_allclose(d, [21 / 127, 53 / 127], rtol=1e-3)
+    qs = q[0, 2:34].view(np.int8)
+    assert qs[0] == round(-10 * 127 / 21) == -60 and qs[31] == 127
+    assert (quantize_q8_0(np.zeros((2, 32), np.float32))[:, 2:] == 0).all()   # scale 0: no division
+
+
+def test_hadamard_is_llama_cpps():
+    h = hadamard(64)
+    np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)        # orthonormal and symmetric
+    assert h[0, 0] == np.float32(1 / 8) and h[1, 1] == np.float32(-1 / 8) and h[2, 1] == np.float32(1 / 8)
+
+
+def _blob(n_cells: int, n_embd: int, n_layer: int = 1, *, magic=kvstate.IO_MAGIC, typ=1, v_trans=0,
+          seq=0) -> bytes:
+    """A one-sequence state as llama-kv-cache.cpp writes it (see kernels/kvstate.py)."""
+    rng = np.random.default_rng(0)
+    out = [np.array([magic], "<u4").tobytes(), np.int32(0).tobytes(), np.uint32(1).tobytes(),
+           np.uint32(n_cells).tobytes()]
+    out += [np.array([p, 1, seq], "<i4").tobytes() for p in range(n_cells)]
+    out.append(np.array([v_trans, n_layer], "<u4").tobytes())
+    for _ in range(2 * n_layer):
+        out += [np.int32(typ).tobytes(), np.uint64(2 * n_embd).tobytes(),
+                rng.standard_normal((n_cells, n_embd)).astype("<f2").tobytes()]
+    return b"".join(out)
+
+
+def test_f16_to_q8_0_rows_rotated_and_requantized():
+    blob = _blob(3, 128, n_layer=2)
+    out = f16_to_q8_0(blob, (128, 64))
+    hdr = 8 + 8 + 12 * 3 + 8
+    assert out[:hdr] == blob[:hdr]                                  # header and cells unchanged
+    row_q = 128 // 32 * 34
+    assert len(out) == hdr + 4 * (12 + 3 * row_q)
+    # the first K row: dequantized, it is H128 times the F16 row
+    assert np.frombuffer(out[hdr:hdr + 4], "<i4")[0] == kvstate.GGML_Q8_0
+    assert np.frombuffer(out[hdr + 4:hdr + 12], "<u8")[0] == row_q
+    q = np.frombuffer(out[hdr + 12:hdr + 12 + row_q], np.uint8).reshape(4, 34)
+    deq = (q[:, 2:].view(np.int8).astype(np.float32) * q[:, :2].copy().view("<f2").astype(np.float32)).ravel()
+    x = np.frombuffer(blob[hdr + 12:hdr + 12 + 256], "<f2").astype(np.float32)
+    want = x @ hadamard(128)
+    assert np.abs(deq - want).max() <= np.abs(want).max() / 127 + 1e-6
+    assert not np.allclose(deq, x, atol=0.05)                       # the rotation was applied
+
+
+@pytest.mark.parametrize(("kw", "msg"), [({"magic": 1}, "magic"), ({"typ": 8}, "type 8"),
+                                         ({"v_trans": 1}, "transposed"), ({"seq": 1}, "one plain sequence")])
+def test_f16_to_q8_0_refuses_other_layouts(kw, msg):
+    with pytest.raises(KVStateError, match=msg):
+        f16_to_q8_0(_blob(2, 64, **kw))
+    with pytest.raises(KVStateError, match="ends at byte"):
+        f16_to_q8_0(_blob(2, 64)[:-5])
+
+
+# ---- real models -----------------------------------------------------------------------------
+
+def _toks(gen) -> list[int]:
+    return [t for c in gen for t in c]
+
+
+def _run(e: Engine, prompt, n=24, sampling=GREEDY, **kw):
+    gen = e.generate(prompt, n, sampling, logprobs=0, **kw)
+    toks = _toks(gen)
+    return toks, [lp.logprob for lp in gen.logprobs], gen.stats
+
+
+@pytest.fixture(scope="module", params=["gemma", "smollm"])
+def engines(request, gemma_path, smollm_path):
+    """(engine with the fast prompt context, the same without it, prompts) for one model.
+    Gemma 3 has sliding-window layers (a handed-over state keeps only the window)."""
+    path = str(gemma_path if request.param == "gemma" else smollm_path)
+    fast = Engine(path, EngineParams(n_ctx=2048, n_threads=2))
+    slow = Engine(path, EngineParams(n_ctx=2048, n_threads=2, fast_prefill=False))
+    text = "Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE
+    toks = fast.tokenize(text)
+    prompts = {"two_blocks": toks[:1100], "one_block": toks[:700], "short": toks[:300]}
+    yield fast, slow, prompts
+    fast.close()
+    slow.close()
+
+
+@pytest.mark.slow
+def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
+    fast, slow, P = engines
+    fast.reset()
+    fast.fast.close()
+    _, _, st = _run(fast, P["two_blocks"], 4)
+    assert (st.n_prompt_fast, st.n_prompt) == (1024, 1100) and st.fast_kv_mib > 0
+    assert "through the fast prompt context" in st.lines()[0]
+    _, _, st = _run(slow, P["two_blocks"], 4)
+    assert st.n_prompt_fast == 0 and slow.fast is None
+    fast.reset()
+    _, _, st = _run(fast, P["short"], 4)                            # under 513 tokens: never
+    assert st.n_prompt_fast == 0
+
+
+@pytest.mark.slow
+def test_result_depends_on_the_tokens_only(engines):
+    """Fresh, after a longer prompt, after a shorter one, after the same prompt with an answer
+    appended (a chat turn), across a block boundary: same tokens, same log-probabilities."""
+    fast, _, P = engines
+    prompt = P["two_blocks"]
+    fast.reset()
+    ref = _run(fast, prompt)[:2]
+    # the fast context still holds the blocks: a reset of the exact context alone
+    fast.reset()
+    assert _run(fast, prompt)[:2] == ref
+    # after a shorter prompt (fast_len 512) and a short one (none)
+    for other in (P["one_block"], P["short"]):
+        fast.reset()
+        _run(fast, other, 8)
+        assert _run(fast, prompt)[:2] == ref, len(other)
+    # a chat turn: the prompt plus its answer plus a follow-up crosses from 1100 to 1100+24+n
+    fast.reset()
+    toks, _, _ = _run(fast, prompt)
+    follow = np.concatenate([prompt, np.asarray(toks, np.int32), fast.tokenize("\nAgain:", add_special=False)])
+    incremental = _run(fast, follow)[:2]
+    fast.reset()
+    fast.fast.close()                                               # nothing held anywhere
+    assert _run(fast, follow)[:2] == incremental
+    # crossing into a new block: 1030 -> 1600 tokens, reusing the first blocks of the fast context
+    long = np.concatenate([prompt, prompt[1:520]])
+    fast.reset()
+    _run(fast, long[:1030], 4)
+    inc = _run(fast, long)[:2]
+    fast.reset()
+    fast.fast.close()
+    assert _run(fast, long)[:2] == inc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_spec_equals_none_through_the_hand_over(engines, sampling):
+    """Both branches: the target as its own draft (always right at temp 0) and n-grams on a copy."""
+    fast, _, P = engines
+    prompt = P["two_blocks"]
+    fast.reset()
+    plain = _run(fast, prompt, 40, sampling, spec=SpecParams(verify="match"))[0]
+    ngram = _run(fast, prompt, 40, sampling, spec=SpecParams(types=("ngram-simple",), ngram_size_n=3,
+                                                             ngram_size_m=16, verify="match"))
+    assert ngram[0] == plain
+    selfdraft = DraftModel(fast.target, fast.params.draft_model or fast.model.path)
+    try:
+        fast.reset()
+        out, _, st = _run(fast, prompt, 40, sampling, spec=SpecParams(types=("draft-simple",), n_max=8,
+                                                                     verify="match"), drafters=[selfdraft])
+    finally:
+        selfdraft.close()
+    assert out == plain
+    if sampling.greedy:
+        assert st.drafters[0].n_acc_tokens == st.drafters[0].n_gen_tokens > 0
+
+
+@pytest.mark.slow
+def test_a_state_that_cannot_be_handed_over_falls_back(engines, monkeypatch, caplog):
+    fast, slow, P = engines
+    prompt = P["one_block"]
+    want = _run(slow, prompt)[:2]
+    e = Engine(fast.model.path, EngineParams(n_ctx=2048, n_threads=2), model=fast.model)
+    try:
+        def refuse(blob, rot):
+            raise KVStateError("KV cells with extensions (M-RoPE)")
+        monkeypatch.setattr("specrun.kernels.prefill.f16_to_q8_0", refuse)
+        with caplog.at_level(logging.WARNING, logger="specrun.kernels.engine"):
+            got = _run(e, prompt)
+        assert got[:2] == want and got[2].n_prompt_fast == 0 and e.fast is None
+        assert [r.message for r in caplog.records].count(
+            "fast prompt evaluation is off for this model: KV cells with extensions (M-RoPE)") == 1
+    finally:
+        e.close()
+
+
+@pytest.mark.slow
+def test_cancel_between_blocks_then_retry(engines):
+    fast, _, P = engines
+    prompt = P["two_blocks"]
+    fast.reset()
+    ref = _run(fast, prompt)[:2]
+    fast.reset()
+    fast.fast.close()
+    calls = []
+    gen = fast.generate(prompt, 8, GREEDY, cancel=lambda: calls.append(1) or True)
+    assert _toks(gen) == [] and gen.stats.stop == "interrupted" and len(calls) == 1
+    assert len(fast.fast.tokens) == BLOCK                           # the first block stays
+    assert _run(fast, prompt)[:2] == ref
