@@ -1,0 +1,392 @@
+"""specrun serve against llama.cpp's own llama-server: the same /completion requests to both.
+
+    python benchmarks/peers.py --llama-server build/peers/cmake/bin/llama-server [--reps 3] [-n 128]
+        [--workloads free,code-rewrite] [--settings none,ngram-simple] [--readme]
+    python benchmarks/peers.py --from-json benchmarks/results/peers.json --readme   # re-render, no run
+
+`make bench-peers` builds llama-server once (build/peers/) from the llama-cpp-python sdist the
+project pins, so both servers run the same llama.cpp, and runs this with --readme.
+
+Each server runs alone on 127.0.0.1 (one at a time: a 2-core machine), 2 threads, a 4096-token
+context, one slot. Per model, setting and system: start the server, wait for /health, send every
+workload once (warm-up), then --reps rounds over the workloads (interleaved, so consecutive
+requests share no prompt prefix beyond a few tokens and both servers evaluate the whole prompt;
+llama-server also gets cache_prompt false), stop the server. Requests are greedy (temperature 0),
+n_predict 128. Speeds are each server's own `timings` (prompt_per_second, predicted_per_second),
+median over the reps; `× none` is a system's median over its own `none` median, `= none` whether
+every rep's text equals that system's own `none` text. Writes benchmarks/results/peers.json (every
+request) and peers.md (the table); --readme puts the table between README.md's peers markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "benchmarks" / "prompts"
+RESULTS = ROOT / "benchmarks" / "results"
+LOGS = ROOT / "build" / "peers" / "logs"
+BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
+SYSTEMS = ("specrun", "llama-server")
+FLUSH = "Unrelated text, sent between two identical prompts so that the second is evaluated in full."
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str       # a name specrun's registry resolves (`specrun inspect NAME --json` gives the path)
+    file: str        # under benchmarks/prompts/, sent exactly as stored
+    what: str
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    args: tuple[str, ...]                 # the same flags for both servers
+    systems: tuple[str, ...] = SYSTEMS
+
+
+WORKLOADS = (
+    Workload("free", "gemma-3-270m", "free.txt", "free text: a story opening"),
+    Workload("code-rewrite", "gemma-3-270m", "code_rewrite.txt", "rewrite a function with type hints"),
+    Workload("verbatim", "gemma-3-270m", "verbatim_source.txt", "repeat a 61-line Python module exactly"),
+    Workload("json-table", "gemma-3-270m", "json_table.txt", "a JSON list of 12 records as a Markdown table"),
+    Workload("long-prompt", "gemma-3-270m", "long_prompt.txt", "a 2,200-token operations log, then its incident summary"),
+    Workload("summary", "smollm2-135m-instruct", "summary_quotes.txt", "chat: summarize a notice, quoting it"),
+    Workload("chat-reuse", "smollm2-135m-instruct", "chat_reuse.txt", "chat: repeat a paragraph corrected, then list its sentences"),
+)
+NGRAM = ("--spec-type", "ngram-simple")
+SETTINGS = (
+    Setting("none", ("--spec-type", "none")),
+    Setting("ngram-simple", NGRAM),
+    Setting("ngram-simple n3 m16", NGRAM + ("--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "16",
+                                            "--spec-draft-n-max", "16")),
+    Setting("auto", ("--spec-type", "auto"), ("specrun",)),
+)
+
+
+# ---- running the servers -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 600.0) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def server_command(system: str, model: str, path: str, setting: Setting, port: int, args) -> list[str]:
+    common = ["-t", str(args.threads), "-c", str(args.ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(port)]
+    if system == "specrun":
+        return [args.specrun, "serve", "-m", model, *common, *setting.args]
+    return [args.llama_server, "-m", path, *common, *setting.args]
+
+
+@contextmanager
+def serving(cmd: list[str], log: Path, timeout: float = 600.0):
+    """Starts `cmd` (output to `log`), yields its base URL once /health answers 200, stops it after."""
+    port = cmd[cmd.index("--port") + 1]
+    url = f"http://127.0.0.1:{port}"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            t0 = time.monotonic()
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"{cmd[0]} exited with {proc.returncode} while starting; "
+                                     f"the last lines of {log}:\n{tail(log)}")
+                try:
+                    if http(url + "/health", timeout=5)[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() - t0 > timeout:
+                    raise SystemExit(f"{cmd[0]} did not answer /health in {timeout:.0f} s; see {log}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def cpu_busy(seconds: float = 2.0) -> float:
+    """The share of all CPUs busy over `seconds` (from /proc/stat), 0..1."""
+    def sample() -> tuple[int, int]:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(v), v[3] + v[4]                                  # total, idle + iowait
+    (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_quiet(max_busy: float, limit_s: float) -> float:
+    """Waits (at most limit_s) until other work uses at most max_busy of the CPUs; returns the last
+    share measured. On a shared machine another process's threads make llama.cpp's spin-waiting
+    threads many times slower, which no median repairs."""
+    t0, busy = time.monotonic(), cpu_busy()
+    if busy > max_busy:
+        print(f"[peers] other work uses {busy:.0%} of the CPUs: waiting (at most {limit_s:.0f} s) for "
+              f"{max_busy:.0%} or less", file=sys.stderr, flush=True)
+    while busy > max_busy and time.monotonic() - t0 < limit_s:
+        time.sleep(8)
+        busy = cpu_busy()
+    return busy
+
+
+def tail(log: Path, n: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+
+
+def complete(url: str, prompt: str, n_predict: int) -> dict:
+    status, d = http(url + "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0,
+                                           "cache_prompt": False, "stream": False})
+    if status != 200:
+        raise SystemExit(f"POST {url}/completion answered {status}: {d}")
+    t = d["timings"]
+    spec = d.get("generation_settings", {}).get("speculative")
+    return {"gen_tps": t["predicted_per_second"], "prompt_tps": t["prompt_per_second"], "prompt_n": t["prompt_n"],
+            "predicted_n": t["predicted_n"], "draft_n": t.get("draft_n"), "draft_n_accepted": t.get("draft_n_accepted"),
+            "tokens_evaluated": d.get("tokens_evaluated"), "text": d["content"], "spec": spec}
+
+
+def model_path(specrun: str, name: str) -> str:
+    r = subprocess.run([specrun, "inspect", name, "--json"], capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(r.stdout)["path"]
+
+
+def run(args) -> dict:
+    workloads = [w for w in WORKLOADS if w.name in args.workloads]
+    settings = [s for s in SETTINGS if s.name in args.settings]
+    systems = [s for s in SYSTEMS if s in args.systems]
+    texts = {w.name: (PROMPTS / w.file).read_text(encoding="utf-8") for w in workloads}
+    requests: list[dict] = []
+    servers: list[dict] = []
+    info = meta(args, texts)                                    # the commit measured: as the run starts
+    for model in dict.fromkeys(w.model for w in workloads):
+        path = model_path(args.specrun, model)
+        mine = [w for w in workloads if w.model == model]
+        for setting in settings:
+            for system in (s for s in systems if s in setting.systems):
+                cmd = server_command(system, model, path, setting, free_port(), args)
+                log = LOGS / f"{system}-{model}-{setting.name.replace(' ', '_')}.log"
+                busy = wait_quiet(args.max_busy, args.wait_quiet)
+                load = os.getloadavg()[0]
+                print(f"[peers] {model} / {setting.name} / {system} (others busy {busy:.0%}, load {load:.2f})",
+                      file=sys.stderr, flush=True)
+                with serving(cmd, log) as url:
+                    last = None
+                    for rep in range(-1, args.reps):          # rep -1: the warm-up, not kept
+                        for w in mine:
+                            if last == w.name:                # specrun always reuses a slot's KV prefix
+                                complete(url, FLUSH, 1)
+                            last = w.name
+                            r = complete(url, texts[w.name], args.n_predict)
+                            print(f"[peers]   {'warm-up' if rep < 0 else f'rep {rep + 1}'} {w.name}: "
+                                  f"{r['gen_tps']:.1f} tok/s, prompt {r['prompt_tps']:.0f} tok/s", file=sys.stderr,
+                                  flush=True)
+                            if r["prompt_n"] < (r["tokens_evaluated"] or 0) - 4:
+                                print(f"[peers] {system} {w.name}: only {r['prompt_n']} of {r['tokens_evaluated']} "
+                                      "prompt tokens evaluated (prefix reused)", file=sys.stderr)
+                            if rep >= 0:
+                                requests.append({"model": model, "workload": w.name, "setting": setting.name,
+                                                 "system": system, "rep": rep, **r})
+                auto = re.findall(r"spec auto: .*", log.read_text(errors="replace"))
+                servers.append({"model": model, "setting": setting.name, "system": system, "command": cmd,
+                                "load_avg_1m": load, "busy_before": busy, "auto": auto[-1] if auto else None})
+    return {"meta": info, "servers": servers, "requests": requests}
+
+
+def meta(args, texts: dict) -> dict:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    version = ""
+    if "llama-server" in args.systems:
+        v = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=60)
+        version = next((ln for ln in (v.stdout + v.stderr).splitlines() if ln.startswith("version")), "")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
+            "dirty": git("diff", "--name-only", "HEAD").split(), "cpu": cpu, "cores": os.cpu_count(),
+            "llama_server_version": version, "threads": args.threads, "ctx": args.ctx, "n_predict": args.n_predict,
+            "reps": args.reps, "workloads": {w.name: {"model": w.model, "file": f"benchmarks/prompts/{w.file}",
+                                                      "what": w.what} for w in WORKLOADS if w.name in texts}}
+
+
+# ---- the table (pure: tests feed it fake timings) ------------------------------------------------
+
+
+def summarize(requests: list[dict]) -> list[dict]:
+    """One row per (workload, setting, system): medians over reps, the ratio to the same system's
+    `none`, whether every rep's text equals that system's `none` text (of its first rep)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in requests:
+        groups.setdefault((r["workload"], r["setting"], r["system"]), []).append(r)
+    rows = []
+    for (workload, setting, system), rs in groups.items():
+        none = groups.get((workload, "none", system))
+        gen, prompt = statistics.median(r["gen_tps"] for r in rs), statistics.median(r["prompt_tps"] for r in rs)
+        none_gen = statistics.median(r["gen_tps"] for r in none) if none else None
+        rows.append({"workload": workload, "setting": setting, "system": system, "gen_tps": gen, "prompt_tps": prompt,
+                     "prompt_n": statistics.median(r["prompt_n"] for r in rs),
+                     "predicted_n": statistics.median(r["predicted_n"] for r in rs),
+                     "x_none": gen / none_gen if none_gen else None,
+                     "equal_none": all(r["text"] == none[0]["text"] for r in rs) if none else None,
+                     "spec": rs[0].get("spec"), "text": rs[0]["text"]})
+    return rows
+
+
+def chosen(auto_line: str | None, spec: dict | None) -> str:
+    """What `auto` chose: from the server's `spec auto: CHOICE: why` line, else from the response's
+    generation_settings.speculative."""
+    m = re.match(r"spec auto: (.+?): ", auto_line or "")
+    if m:
+        return m.group(1)
+    if not spec or spec.get("type") in (None, ["none"], []):
+        return "none"
+    return ",".join(spec["type"])
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _eq(x: bool | None) -> str:
+    return "—" if x is None else ("yes" if x else "**no**")
+
+
+def markdown(data: dict) -> str:
+    m, rows = data["meta"], summarize(data["requests"])
+    by = {(r["workload"], r["setting"], r["system"]): r for r in rows}
+    workloads = list(dict.fromkeys(r["workload"] for r in data["requests"]))
+    settings = [s.name for s in SETTINGS if any(r["setting"] == s.name for r in rows)]
+    autos = {sv["model"]: sv["auto"] for sv in data.get("servers", []) if sv["setting"] == "auto"}
+    dirty = f", with uncommitted changes in {', '.join(m['dirty'])}" if m["dirty"] else ""
+    loads = [sv["load_avg_1m"] for sv in data.get("servers", [])]
+    busy = [sv["busy_before"] for sv in data.get("servers", []) if sv.get("busy_before") is not None]
+    load = (f" (as each server started: 1-minute load average {min(loads):.1f}–{max(loads):.1f}"
+            + (f", other work on {min(busy):.0%}–{max(busy):.0%} of the CPUs" if busy else "") + ")") if loads else ""
+    out = [f"Measured {m['date']} at commit `{m['commit']}`{dirty}; {m['cpu']}, {m['cores']} cores, "
+           f"{m['threads']} threads per server, one server at a time{load}, context {m['ctx']}, greedy, "
+           f"n_predict {m['n_predict']}, median of {m['reps']} after one warm-up. llama-server: "
+           f"`{m['llama_server_version'] or '?'}`. Speeds are each server's own `timings`; "
+           "`× none` is against the same system's `none`, `= none` compares with that system's own `none` text.",
+           "",
+           "| workload | setting | specrun tok/s | × none | = none | llama-server tok/s | × none | = none "
+           "| specrun ÷ llama-server | specrun prompt tok/s | llama-server prompt tok/s | prompt ÷ |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in workloads:
+        for s in settings:
+            a, b = by.get((w, s, "specrun")), by.get((w, s, "llama-server"))
+            if not a and not b:
+                continue
+            label = f"auto → {chosen(autos.get(m['workloads'][w]['model']), a['spec'])}" if s == "auto" and a else s
+            cells = [w, label]
+            for r in (a, b):
+                cells += [_f(r and r["gen_tps"], ".1f"), _f(r and r["x_none"], ".2f"), _eq(r and r["equal_none"])]
+            both = a is not None and b is not None
+            cells += [_f(a["gen_tps"] / b["gen_tps"] if both else None, ".2f"),
+                      _f(a and a["prompt_tps"], ".0f"), _f(b and b["prompt_tps"], ".0f"),
+                      _f(a["prompt_tps"] / b["prompt_tps"] if both else None, ".2f")]
+            out.append("| " + " | ".join(cells) + " |")
+    out += ["", "Workloads (prompt files under `benchmarks/prompts/`; prompt tokens as the servers evaluated them):", ""]
+    for w in workloads:
+        info = m["workloads"][w]
+        ns = sorted({int(r["prompt_n"]) for r in rows if r["workload"] == w})
+        out.append(f"- `{w}` ({info['model']}, `{Path(info['file']).name}`, {' / '.join(map(str, ns))} prompt "
+                   f"tokens): {info['what']}")
+    both = [w for w in workloads if (w, "none", "specrun") in by and (w, "none", "llama-server") in by]
+    if both:
+        eq = [w for w in both if by[(w, "none", "specrun")]["text"] == by[(w, "none", "llama-server")]["text"]]
+        out += ["", f"`none` text identical between specrun and llama-server: {len(eq)} of {len(both)} workloads"
+                    + (f" (differs: {', '.join(w for w in both if w not in eq)})." if len(eq) < len(both) else ".")]
+    return "\n".join(out) + "\n"
+
+
+def replace_block(text: str, block: str) -> str:
+    """README text with everything between the peers markers replaced by `block`."""
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < i:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+    return text[:i + len(BEGIN)] + "\n" + block + text[j:]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-server", default=str(ROOT / "build" / "peers" / "cmake" / "bin" / "llama-server"))
+    ap.add_argument("--specrun", default=str(Path(sys.executable).with_name("specrun")))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
+    ap.add_argument("--settings", default=",".join(s.name for s in SETTINGS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--max-busy", type=float, default=0.25,
+                    help="before each server, wait until other work uses at most this share of the CPUs")
+    ap.add_argument("--wait-quiet", type=float, default=900, help="seconds to wait for that, at most (then run)")
+    ap.add_argument("--out", default=str(RESULTS / "peers.json"), help="JSON; the markdown goes next to it (.md)")
+    ap.add_argument("--from-json", help="render an earlier run's JSON (its .md next to it) instead of measuring")
+    ap.add_argument("--readme", action="store_true", help="put the table between README.md's peers markers")
+    args = ap.parse_args(argv)
+    for opt, known in (("workloads", WORKLOADS), ("settings", SETTINGS)):
+        names = [x.strip() for x in getattr(args, opt).split(",") if x.strip()]
+        bad = set(names) - {k.name for k in known}
+        if bad:
+            ap.error(f"--{opt}: unknown {', '.join(sorted(bad))} (known: {', '.join(k.name for k in known)})")
+        setattr(args, opt, names)
+    args.systems = [s.strip() for s in args.systems.split(",")]
+    if set(args.systems) - set(SYSTEMS):
+        ap.error(f"--systems: one or both of {', '.join(SYSTEMS)}")
+    if "llama-server" in args.systems and not args.from_json and not Path(args.llama_server).is_file():
+        ap.error(f"no llama-server at {args.llama_server}: `make peers-server` builds it")
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # stop the running server on the way out
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+    else:
+        data = run(args)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1) + "\n")
+    table = markdown(data)
+    Path(args.from_json or args.out).with_suffix(".md").write_text(table)
+    print(table)
+    if args.readme:
+        readme = ROOT / "README.md"
+        readme.write_text(replace_block(readme.read_text(encoding="utf-8"), table), encoding="utf-8")
+        print(f"[peers] README.md: the table between {BEGIN} and {END} replaced", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
