@@ -33,6 +33,7 @@ import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
+from .constrain import Constraints, VerifyPass
 from .drafters import TargetView, draft_n_max, drafter_key, make_drafter
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import EngineParams, SpecParams
@@ -208,6 +209,9 @@ class Engine:
         under the target and its n most likely alternatives (from the rows the verify pass computed).
         The random draw of the token at absolute position pos comes from the stream (sampling.seed,
         pos): seeded output is reproducible and, under sample-and-match, independent of the spec type.
+        The logit controls in sampling (penalties, logit bias, --ignore-eos, a grammar) transform every
+        row with the state of the tokens before it (kernels.constrain), so they keep that property;
+        a grammar that does not parse or a bad logit bias is a SpecrunError here, before any work.
         """
         prompt = np.asarray(prompt, dtype=np.int32)
         if len(prompt) == 0:
@@ -225,17 +229,18 @@ class Engine:
                 raise SpecrunError(f"draft n-max {spec.n_max} is above this engine's cap of {self.n_max_cap}{why}; "
                                    f"ask for at most {self.n_max_cap}, or restart with a larger --spec-draft-n-max")
         sampling = resolve_seed(sampling)
+        cons = Constraints.of(self.model, sampling, self.n_ctx, prompt)
         st = GenStats(n_prompt_total=len(prompt), exact=self.params.exact, seed=sampling.seed,
                       exact_caveat=self.params.exact_caveat if self.params.exact else None,
                       drafters=[DrafterStats(d.spec_type) for d in drafters])
         limit = n_predict if n_predict >= 0 else self.n_ctx
         lp: list[TokenLogprob] | None = None if logprobs is None else []
-        return Generation(self._run(prompt, limit, sampling, spec, list(drafters), st, cancel or _never, lp, logprobs),
-                          st, lp)
+        return Generation(self._run(prompt, limit, sampling, spec, list(drafters), st, cancel or _never, lp, logprobs,
+                                    cons), st, lp)
 
     def _run(self, prompt: np.ndarray, limit: int, sampling: SamplingParams, spec: SpecParams,
              drafters: list[Drafter], st: GenStats, cancel: Callable[[], bool],
-             lp: list[TokenLogprob] | None, n_top: int | None) -> Iterator[list[int]]:
+             lp: list[TokenLogprob] | None, n_top: int | None, cons: Constraints | None) -> Iterator[list[int]]:
         sample_drafts = spec.verify in ("auto", "rejection") and not sampling.greedy
         opts = DraftOptions(spec.p_min, sampling if sample_drafts else None)
         # each drafter's longest draft (n-grams: size_m, models: n_max), within the engine's cap; an
@@ -252,7 +257,9 @@ class Engine:
             if logits is None:
                 st.stop = "interrupted"
                 return
-            id_last = sample(logits, sampling, n_past)
+            id_last = sample(logits if cons is None else cons.row(logits), sampling, n_past)
+            if cons is not None:
+                cons.accept([id_last])
             if lp is not None:
                 lp.append(token_logprob(logits, id_last, n_top))
             t_gen0 = time.perf_counter()
@@ -270,7 +277,15 @@ class Engine:
                 k_cap = min(limit - n_emitted - 1, self.n_ctx - n_past - 2)   # llama-server's n_draft_max
                 draft, which = self._propose(drafters, np.asarray(ctx_tokens, dtype=np.int32), k_cap, n_cur,
                                              spec.n_min, st)
-                verdict = self._step(id_last, n_past, draft, sampling, spec, drafters)
+                vp = None
+                if cons is not None:     # cut at the first token the constrained target cannot emit
+                    vp = cons.verify_pass(draft)
+                    draft, which = vp.draft, which if len(vp.draft) else -1
+                try:
+                    verdict = self._step(id_last, n_past, draft, sampling, spec, drafters, vp)
+                finally:
+                    if vp is not None:
+                        vp.close()
                 st.n_target_passes += 1
                 if which >= 0:
                     st.verify = verify_mode(spec, sampling, draft)   # empty drafts are plain steps
@@ -291,12 +306,16 @@ class Engine:
                     rows = self.ctx.logits_rows()
                     lp.extend(token_logprob(rows[j], t, n_top) for j, t in enumerate(out))
                 ctx_tokens.extend(out)
+                if cons is not None:
+                    cons.accept(out)
                 n_emitted += len(out)
                 yield out
         except GeneratorExit:
             st.stop = st.stop or "interrupted"
             raise
         finally:
+            if cons is not None:
+                cons.close()
             st.n_gen = n_emitted
             if t_gen0 is not None:
                 st.t_gen_s = time.perf_counter() - t_gen0
@@ -321,15 +340,18 @@ class Engine:
         return Draft.empty(), -1
 
     def _step(self, id_last: int, n_past: int, draft: Draft, sampling: SamplingParams, spec: SpecParams,
-              drafters: list[Drafter]) -> Verdict:
+              drafters: list[Drafter], vp: VerifyPass | None = None) -> Verdict:
         """One target pass over [id_last, d1..dk] at positions n_past..: verify the draft, roll back
-        the rejected rows, tell every drafter what the target kept."""
+        the rejected rows, tell every drafter what the target kept. vp: the logit controls' states
+        for this draft's rows (row i read with the state after d1..di), or None."""
         k = len(draft)
         batch = np.empty(k + 1, dtype=np.int32)
         batch[0] = id_last
         batch[1:] = draft.tokens
         self.ctx.decode(batch, n_past, "all")
-        verdict = verify(draft, self.ctx.logits_rows(), sampling, n_past + 1, verify_mode(spec, sampling, draft))
+        rows = self.ctx.logits_rows()             # float32 [k + 1, n_vocab]
+        verdict = verify(draft, rows if vp is None else vp.rows(rows), sampling, n_past + 1,
+                         verify_mode(spec, sampling, draft))
         n_keep = verdict.n_accepted + 1
         if n_keep < k + 1 and not self.ctx.seq_rm(n_past + n_keep, -1):
             raise LlamaError(f"could not roll the KV cache back to {n_past + n_keep} tokens after a partial "

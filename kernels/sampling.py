@@ -21,6 +21,9 @@ ratio are measured on the softmax at temperature 1 of the candidates still kept
 Where llama.cpp leaves ties to std::partial_sort (unspecified order), we break them by the lower
 token id, so the result is deterministic.
 
+The logit controls (logit bias, --ignore-eos, repetition penalties: penalize(); grammars) come
+before this chain, as llama.cpp applies them first; kernels.constrain applies them per row.
+
 Randomness: every draw for the token at absolute position `pos` comes from
 `position_rng(seed, pos, stream)`, never from a generator that advances with the number of draws.
 That is what makes seeded speculative output equal seeded plain output: a position's token does
@@ -142,6 +145,31 @@ def transform(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         return probs
     out = np.zeros(logits.shape[0], dtype=np.float64)  # [n_vocab]
     out[ids] = probs
+    return out
+
+
+def penalize(logits: np.ndarray, window: np.ndarray, repeat: float, frequency: float, presence: float) -> np.ndarray:
+    """llama.cpp's llama_sampler_penalties on one row: a float32 copy of logits [n_vocab].
+
+    window: int [n], the last repeat_last_n tokens the sampler accepted (prompt tokens included,
+    as llama-server and llama-cli feed them; the engine builds it). For every token id t that
+    occurs count(t) > 0 times in it, in float32 as llama.cpp:
+
+        logit = logit * repeat   if logit <= 0  else  logit / repeat
+        logit -= count(t) * frequency + presence
+
+    Worked example: logits [2.0, -1.0, 0.5], window [0, 0, 1], repeat 2, frequency 0.5,
+    presence 0.25 -> token 0: 2/2 - (2*0.5 + 0.25) = -0.25; token 1: -1*2 - (0.5 + 0.25) = -2.75;
+    token 2 untouched: [-0.25, -2.75, 0.5].
+    """
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if len(window) == 0:
+        return out
+    ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+    v = out[ids]                                                   # float32 [n_distinct]
+    v = np.where(v <= 0, v * np.float32(repeat), v / np.float32(repeat)).astype(np.float32)
+    v -= counts.astype(np.float32) * np.float32(frequency) + np.float32(presence)
+    out[ids] = v
     return out
 
 

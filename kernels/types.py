@@ -17,17 +17,40 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "random seed" marker
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """llama.cpp's defaults. temp <= 0 means greedy (argmax, first index on ties)."""
+    """llama.cpp's defaults. temp <= 0 means greedy (argmax, first index on ties).
+
+    The controls below (llama.cpp's --repeat-penalty ... --grammar) change the target's logits
+    before top-k: they are applied to every row the target computes, with the state of the
+    tokens before that row (kernels.constrain), so speculative output still equals plain decoding.
+    """
 
     temp: float = 0.8
     top_k: int = 40          # <= 0: whole vocabulary
     top_p: float = 0.95      # 1.0: off
     min_p: float = 0.05      # 0.0: off
     seed: int = LLAMA_DEFAULT_SEED
+    repeat_penalty: float = 1.0        # 1.0: off
+    repeat_last_n: int = 64            # the penalties' window: last n tokens of prompt + output; 0: off, -1: n_ctx
+    presence_penalty: float = 0.0      # 0.0: off
+    frequency_penalty: float = 0.0     # 0.0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit); -inf bans it
+    ignore_eos: bool = False           # end-of-generation tokens get logit -inf (llama.cpp's EOG logit bias)
+    grammar: str | None = None         # GBNF (a JSON schema is converted first: kernels.grammar.schema_to_gbnf)
 
     @property
     def greedy(self) -> bool:
         return self.temp <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties change anything (llama.cpp's early return in llama_sampler_penalties)."""
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                                            or self.presence_penalty != 0.0)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether any control changes the target's logits (else rows are used as computed)."""
+        return self.penalized or bool(self.logit_bias) or self.ignore_eos or bool(self.grammar)
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,6 +154,10 @@ def verify_rejection(
 def verify(draft: Draft, target_logits: np.ndarray, params: SamplingParams, pos0: int, mode: str) -> Verdict:
     """Verify `draft` against one target pass; mode "match" or "rejection".
 
+    target_logits: float32 [k + 1, n_vocab], or kernels.constrain.Rows: the same rows under the
+    logit controls (penalties, bias, grammar), row i transformed when first read with the state
+    after d_1..d_i. Both verifiers read rows in order and stop at the first mismatch / rejection.
+
     "rejection" uses verify_rejection when the drafter reported its distribution (draft.probs is
     not None); a deterministic drafter (probs None, one-hot q) goes through verify_match, which is
     rejection sampling with one-hot q and also equals plain decoding token for token.

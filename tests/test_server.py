@@ -400,7 +400,7 @@ BAD = [
     # fields that would change the answer and are not implemented: refused, never ignored
     ("/v1/completions", {"prompt": "x", "logprobs": 2, "stream": True}, 400, "unsupported_parameter"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, 400, "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "stream": True}, 400,
      "unsupported_parameter"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
@@ -411,8 +411,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400,
      "unsupported_parameter"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
-     "unsupported_parameter"),
+                              "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+     400, "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"},
                                            {"role": "tool", "content": "42", "tool_call_id": "c1"}]}, 400,
      "unsupported_parameter"),
@@ -420,13 +420,20 @@ BAD = [
                                             "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400,
      "unsupported_parameter"),
     ("/completion", {"prompt": "x", "n_probs": 5}, 400, "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "unsupported_parameter"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.0}, 400,
-     "unsupported_parameter"),
-    ("/completion", {"prompt": "x", "repeat_penalty": 1.1}, 400, "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "unsupported_parameter"),
-    ("/completion", {"prompt": "x", "grammar": "root ::= \"a\""}, 400, "unsupported_parameter"),
-    ("/completion", {"prompt": "x", "json_schema": {"type": "object"}}, 400, "unsupported_parameter"),
+    # the logit controls: bad values are 400s naming the field and the fix
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": "0.5"}, 400, "invalid_value"),
+    ("/completion", {"prompt": "x", "repeat_penalty": 0}, 400, "invalid_value"),
+    ("/completion", {"prompt": "x", "repeat_last_n": -2}, 400, "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"hello": 1}}, 400, "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"15": 101}}, 400, "invalid_value"),
+    ("/completion", {"prompt": "x", "logit_bias": [[15]]}, 400, "invalid_value"),
+    ("/completion", {"prompt": "x", "grammar": "root ::= \"a"}, 400, "invalid_value"),
+    ("/completion", {"prompt": "x", "grammar": "root ::= \"a\"{5,2}"}, 400, "invalid_value"),
+    ("/completion", {"prompt": "x", "json_schema": {"type": "foo"}}, 400, "invalid_value"),
+    ("/completion", {"prompt": "x", "json_schema": {}, "grammar": "root ::= \"a\""}, 400, "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+                              "grammar": "root ::= \"a\""}, 400, "invalid_value"),
 ]
 
 # A lone UTF-16 surrogate in every text field of every endpoint (json.dumps writes it as "\ud800").
@@ -470,8 +477,12 @@ def test_bad_input_messages_say_what_is_wrong(server):
     assert "logprobs with stream" in msg("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True})
     assert "top_logprobs needs logprobs: true" in msg("/v1/chat/completions", {"messages": one, "top_logprobs": 1})
     assert msg("/v1/chat/completions", {"messages": one, "tools": [{}]}).startswith("tools: not supported")
-    assert msg("/v1/chat/completions", {"messages": one, "response_format": {"type": "json_object"}}).startswith(
-        "response_format: not supported")
+    m = msg("/completion", {"prompt": "x", "grammar": "root ::= \"a"})
+    assert m.startswith("grammar: the grammar does not parse: unexpected end of input; fix the GBNF"), m
+    m = msg("/v1/chat/completions", {"messages": one, "response_format": {"type": "json_schema",
+                                                                         "json_schema": {"schema": {"type": "foo"}}}})
+    assert m.startswith("response_format: the response_format schema cannot be turned into a grammar"), m
+    assert "out of the vocabulary (0..49151)" in msg("/v1/completions", {"prompt": "x", "logit_bias": {"50256": 5}})
     m = msg("/v1/chat/completions", {"messages": [*one, {"role": "tool", "content": "1"}]})
     assert m.startswith("messages.1.role: not supported") and "'tool' messages" in m
     assert msg("/completion", {"prompt": "x", "n_probs": 2}).startswith("n_probs: not supported")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 
 import httpx
@@ -67,6 +68,67 @@ def test_logprobs_are_the_same_with_and_without_speculation(ngram_server):
     assert [(x.token, x.logprob, x.bytes) for x in ca] == [(x.token, x.logprob, x.bytes) for x in cb]
     assert "".join(x.token for x in ca) == spec.choices[0].message.content
     assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == x.logprob for x in ca)
+
+
+CONTROLS = [   # (request fields, what the text must look like), each against the same request without them
+    ({"repeat_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.5, "repeat_last_n": 64}, None),
+    ({"grammar": 'root ::= "The quick brown fox" [^.]*'}, r"The quick brown fox[^.]*"),   # copies, without periods
+    ({"json_schema": {"type": "object", "properties": {"animal": {"type": "string", "maxLength": 10}},
+                      "required": ["animal"]}}, "json"),
+]
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+@pytest.mark.parametrize("fields, shape", CONTROLS, ids=["penalties", "grammar", "json_schema"])
+def test_controls_keep_spec_equal_to_none(ngram_server, fields, shape, temp):
+    """Penalties, a grammar and a JSON schema through llama-server's /completion: the server's
+    ngram-simple output equals speculative none's, and differs from the answer without them."""
+    prompt = "Repeat exactly:\n" + REPEAT
+    base = {"temperature": temp, "seed": 7}
+    free = ngram_server.completion(prompt, 32, **base)
+    spec = ngram_server.completion(prompt, 32, **base, **fields)
+    plain = ngram_server.completion(prompt, 32, **base, **fields, speculative={"type": "none"})
+    assert spec["tokens"] == plain["tokens"] and spec["content"] == plain["content"]
+    assert spec["tokens"] != free["tokens"]
+    if "grammar" in fields:             # the grammar starts the copy: n-gram drafts are verified under it
+        assert spec["timings"]["draft_n"] > 0
+    if shape == "json":
+        assert spec["stop_type"] == "eos"
+        assert set(json.loads(spec["content"])) == {"animal"}
+    elif shape:
+        assert re.fullmatch(shape, spec["content"], flags=re.S)
+    settings = spec["generation_settings"]
+    for k, v in fields.items():
+        if k in ("repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n"):
+            assert settings[k] == v
+    assert bool(settings["grammar"]) == ("grammar" in fields or "json_schema" in fields)
+
+
+def test_openai_controls_keep_spec_equal_to_none(ngram_server):
+    """OpenAI's fields: logit_bias (token-id keys, -100 bans), frequency/presence penalties, and
+    response_format json_object / json_schema on chat: equal with and without speculation."""
+    c = ngram_server.client()
+    prompt = "Repeat exactly:\n" + REPEAT
+    free = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    first = ngram_server.post("/completion", {"prompt": prompt, "n_predict": 1, "temperature": 0}).json()["tokens"][0]
+    for extra in ({"logit_bias": {str(first): -100}}, {"frequency_penalty": 1.0, "presence_penalty": 1.0}):
+        a = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, **extra)
+        b = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, **extra,
+                                 extra_body={"speculative": {"type": "none"}})
+        assert a.choices[0].text == b.choices[0].text != free.choices[0].text
+    msgs = [{"role": "user", "content": "Name an animal, as JSON."}]
+    schema = {"type": "object", "properties": {"animal": {"type": "string", "maxLength": 10}}, "required": ["animal"]}
+    for rf in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}):
+        for temp in (0.0, 0.8):
+            kw = dict(model=MODEL, messages=msgs, max_tokens=48, temperature=temp, seed=3, response_format=rf)
+            a = c.chat.completions.create(**kw)
+            b = c.chat.completions.create(**kw, extra_body={"speculative": {"type": "none"}})
+            assert a.choices[0].message.content == b.choices[0].message.content
+            assert a.choices[0].finish_reason == "stop"
+            obj = json.loads(a.choices[0].message.content)
+            assert isinstance(obj, dict)
+            if rf["type"] == "json_schema":
+                assert set(obj) == {"animal"}
 
 
 @pytest.fixture(scope="module")

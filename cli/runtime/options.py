@@ -8,10 +8,16 @@ stderr why, and what happens instead (e.g. `-ngl 99`: every layer runs on the CP
 from __future__ import annotations
 
 import functools
+import math
+import re
+from dataclasses import replace
 
 import click
 from click.core import ParameterSource
 
+from specrun.gguf_spec.errors import SpecrunError
+from specrun.kernels.constrain import check_controls
+from specrun.kernels.grammar import GrammarError, check_grammar, schema_to_gbnf
 from specrun.kernels.params import EngineParams, SpecParams, parse_spec_types
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
@@ -147,6 +153,26 @@ def sampling_options(f):
     @click.option("--min-p", "min_p", type=click.FloatRange(0, 1), default=0.05, show_default=True)
     @click.option("-s", "--seed", type=int, callback=_seed, default=None,
                   help="RNG seed (default, or -1: random; the seed used is printed)")
+    @click.option("--repeat-penalty", "repeat_penalty", type=float, default=1.0, show_default=True,
+                  help="penalize repeated tokens: a logit l > 0 becomes l / N, l <= 0 becomes l * N (1.0: off)")
+    @click.option("--repeat-last-n", "repeat_last_n", type=click.IntRange(-1), default=64, show_default=True,
+                  help="the last N tokens (prompt included) the penalties look at (0: off, -1: the context size)")
+    @click.option("--presence-penalty", "presence_penalty", type=float, default=0.0, show_default=True,
+                  help="subtract N from the logit of every token in the last --repeat-last-n (0.0: off)")
+    @click.option("--frequency-penalty", "frequency_penalty", type=float, default=0.0, show_default=True,
+                  help="subtract N times its count from the logit of every token in the last --repeat-last-n "
+                       "(0.0: off)")
+    @click.option("--ignore-eos", "ignore_eos", is_flag=True,
+                  help="never stop at end of generation (its tokens get logit -inf, as llama.cpp)")
+    @click.option("-l", "--logit-bias", "logit_bias", multiple=True, metavar="TOKEN_ID(+/-)BIAS",
+                  help="add BIAS to a token's logit, e.g. 15043+1 or 15043-inf (never); repeatable")
+    @click.option("--grammar", "grammar", default=None, metavar="GBNF",
+                  help="a GBNF grammar the text must follow (llama.cpp's grammar sampler)")
+    @click.option("--grammar-file", "grammar_file", default=None, metavar="FILE", help="read the GBNF from a file")
+    @click.option("-j", "--json-schema", "json_schema", default=None, metavar="SCHEMA",
+                  help="a JSON schema the text must follow, e.g. '{\"type\": \"object\"}' for any JSON object")
+    @click.option("-jf", "--json-schema-file", "json_schema_file", default=None, metavar="FILE",
+                  help="read the JSON schema from a file")
     @functools.wraps(f)
     def wrapper(*a, **k):
         return f(*a, **k)
@@ -277,6 +303,66 @@ def engine_params(kw: dict, spec: SpecParams | None = None) -> EngineParams:
                         draft_model=kw["model_draft"])
 
 
+def parse_logit_bias(spec: str) -> tuple[int, float]:
+    """llama.cpp's -l TOKEN_ID(+/-)BIAS: '15043+1' -> (15043, 1.0), '15043-inf' -> (15043, -inf)."""
+    m = re.fullmatch(r"\s*(-?\d+)\s*([+-])\s*(\S+)\s*", spec)
+    bias = None
+    if m:
+        try:
+            bias = float(m.group(3)) * (-1.0 if m.group(2) == "-" else 1.0)
+        except ValueError:
+            bias = None
+    if bias is None or math.isnan(bias):
+        raise SpecrunError(f"--logit-bias '{spec}': not TOKEN_ID(+/-)BIAS; write e.g. 15043+1, 15043-0.5 or "
+                           "15043-inf (never emit token 15043)")
+    if bias == math.inf:
+        raise SpecrunError(f"--logit-bias '{spec}': a bias of +inf would leave nothing to sample; give a finite "
+                           "number (or -inf to ban the token)")
+    return int(m.group(1)), bias
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecrunError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
+def grammar_of(kw: dict) -> str | None:
+    """The GBNF of --grammar, --grammar-file, -j or -jf (at most one), checked: a grammar that does
+    not parse or a schema llama.cpp cannot convert is a SpecrunError (one line, exit 1)."""
+    given_ = [(k, f) for k, f in (("grammar", "--grammar"), ("grammar_file", "--grammar-file"),
+                                  ("json_schema", "-j/--json-schema"), ("json_schema_file", "-jf/--json-schema-file"))
+              if kw.get(k) is not None]
+    if len(given_) > 1:
+        raise click.UsageError(f"give one grammar: {' and '.join(f for _, f in given_)} do not go together")
+    if not given_:
+        return None
+    key, flag = given_[0]
+    if key == "grammar":
+        text = kw[key]
+    elif key == "grammar_file":
+        text = _read(kw[key], flag)
+    else:
+        schema = kw[key] if key == "json_schema" else _read(kw[key], flag)
+        return schema_to_gbnf(schema, what=f"{flag}'s schema")
+    try:
+        check_grammar(text)
+    except GrammarError as e:
+        raise GrammarError(f"{flag}: {e}") from None
+    return text
+
+
 def sampling_params(kw: dict) -> SamplingParams:
-    return SamplingParams(temp=kw["temp"], top_k=kw["top_k"], top_p=kw["top_p"], min_p=kw["min_p"],
-                          seed=kw["seed"])
+    """The sampling_options as SamplingParams; a bad penalty, logit bias or grammar is a SpecrunError
+    (one line, exit 1), before the model loads."""
+    s = SamplingParams(temp=kw["temp"], top_k=kw["top_k"], top_p=kw["top_p"], min_p=kw["min_p"],
+                       seed=kw["seed"], repeat_penalty=kw.get("repeat_penalty", 1.0),
+                       repeat_last_n=kw.get("repeat_last_n", 64), presence_penalty=kw.get("presence_penalty", 0.0),
+                       frequency_penalty=kw.get("frequency_penalty", 0.0),
+                       logit_bias=tuple(parse_logit_bias(b) for b in kw.get("logit_bias", ())),
+                       ignore_eos=kw.get("ignore_eos", False))
+    check_controls(s, {f: "--" + f.replace("_", "-") for f in ("repeat_penalty", "repeat_last_n", "presence_penalty",
+                                                             "frequency_penalty", "logit_bias")})
+    return replace(s, grammar=grammar_of(kw))

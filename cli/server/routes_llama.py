@@ -23,7 +23,11 @@ def llama_router(state: ServerState) -> APIRouter:
         def settings() -> dict:
             s, sp = job.sampling, job.spec or cfg.spec
             return {"n_predict": job.n_predict, "temperature": s.temp, "top_k": s.top_k, "top_p": s.top_p,
-                    "min_p": s.min_p, "seed": s.seed, "stop": list(job.stop),
+                    "min_p": s.min_p, "seed": s.seed, "stop": list(job.stop), "repeat_penalty": s.repeat_penalty,
+                    "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
+                    "frequency_penalty": s.frequency_penalty, "ignore_eos": s.ignore_eos,
+                    "logit_bias": [[t, b if b > float("-inf") else False] for t, b in s.logit_bias],
+                    "grammar": s.grammar or "",
                     "speculative": {"type": list(sp.types) or ["none"], "n_max": sp.n_max, "n_min": sp.n_min,
                                     "p_min": sp.p_min}}
 

@@ -2,8 +2,11 @@
 
 Requests are strict (no "5" for 5, no NaN) and ignore fields they do not know, as OpenAI clients
 send a few (`user`, `metadata`...) that change nothing here. Fields that would change the answer
-and are not implemented (penalties, `logit_bias`, `tools`, `response_format`, tool messages...)
-are refused with a 400 naming them unless they hold their neutral value, never ignored. A field left out (or null) takes the server's default,
+and are not implemented (`tools`, tool messages, `n_probs`...) are refused with a 400 naming them
+unless they hold their neutral value, never ignored. The logit controls (penalties, `logit_bias`,
+`ignore_eos`, `grammar`, `json_schema`, `response_format` json_object / json_schema) are applied
+in every verify row as in plain decoding, so the answer does not depend on speculation.
+A field left out (or null) takes the server's default,
 which is the command line's (`--temp`, `-n`, `--spec-type`...). Every text must be Unicode: a lone
 UTF-16 surrogate (a JSON escape \\ud800 without its pair) is a 400 naming the field.
 """
@@ -37,16 +40,33 @@ def unsupported(field: str, why: str) -> PydanticCustomError:
 
 _NO_STREAM_LOGPROBS = "log-probabilities come with the whole answer; ask without stream"
 _NO_N_PROBS = "ask POST /v1/completions with logprobs instead"
-_NO_PENALTIES = "the sampler has no penalties or logit bias yet"
 _NO_TOOLS = "it has no tool calling"
-_NO_GRAMMAR = "it generates plain text only, without constrained decoding"
-_TEXT_ONLY = 'only {"type": "text"}: anything else (JSON mode, a schema) is a 400'
+_RESPONSE_FORMAT = ('{"type": "text"} (plain text), {"type": "json_object"} (any JSON object, or the one of '
+                    'its "schema") or {"type": "json_schema", "json_schema": {"schema": {...}}}')
+RESPONSE_TYPES = ("text", "json_object", "json_schema")
+MAX_BIAS = 100.0   # OpenAI's logit_bias range: -100..100
 
 
-def _plain_text(v: dict | None) -> dict | None:
-    if v is not None and v.get("type", "text") != "text":
-        raise unsupported("response_format", _NO_GRAMMAR)
+def _response_format(v: dict | None) -> dict | None:
+    if v is not None:
+        t = v.get("type", "text")
+        if t not in RESPONSE_TYPES:
+            raise PydanticCustomError("invalid_value", f"response_format type must be text, json_object or "
+                                      f"json_schema, not {t!r}: {_RESPONSE_FORMAT}")
+        inner = v.get("json_schema") if t == "json_schema" else v
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if (t == "json_schema" and not isinstance(inner, dict)) or (schema is not None and not isinstance(schema, dict)):
+            raise PydanticCustomError("invalid_value", f"response_format: the schema must be a JSON object: "
+                                      f"{_RESPONSE_FORMAT}")
     return v
+
+
+def _token_id(key: str) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise PydanticCustomError("invalid_value", f"logit_bias keys are token ids such as \"15043\", not text "
+                                  f"({key!r}); give the ids of the text's tokens (the model's tokenizer)") from None
 
 
 class _Body(BaseModel):
@@ -69,24 +89,72 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _NoPenalties(_Body):
-    """The sampler's penalties and logit bias, accepted only at their neutral values."""
+class _Controls(_Body):
+    """llama.cpp's logit controls (its sampler's logit bias, penalties and grammar), applied to every
+    row the target computes with the state of the tokens before it: the answer is plain decoding's
+    with any speculative setting. Left out: the server's command line (--repeat-penalty, --grammar...)."""
 
-    frequency_penalty: float | None = Field(None, description=f"only 0 ({_NO_PENALTIES})")
-    presence_penalty: float | None = Field(None, description=f"only 0 ({_NO_PENALTIES})")
-    repeat_penalty: float | None = Field(None, description=f"llama.cpp extension; only 1 ({_NO_PENALTIES})")
-    logit_bias: dict[str, float] | None = Field(None, description=f"only empty ({_NO_PENALTIES})")
+    frequency_penalty: float | None = Field(None, description="subtract count x this from the logit of each token "
+                                            "in the last repeat_last_n (0: off)")
+    presence_penalty: float | None = Field(None, description="subtract this from the logit of each token in the "
+                                           "last repeat_last_n (0: off)")
+    repeat_penalty: float | None = Field(None, gt=0.0, description="llama.cpp extension: a repeated token's logit "
+                                         "l > 0 becomes l / this, l <= 0 becomes l * this (1: off)")
+    repeat_last_n: int | None = Field(None, ge=-1, description="llama.cpp extension: the tokens (prompt included) "
+                                      "the penalties look at (0: off, -1: the context size)")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string, e.g. \"15043\") -> bias "
+                                                "added to its logit, -100..100 (-100 bans the token)")
+    ignore_eos: bool | None = Field(None, description="llama.cpp extension: never stop at end of generation")
+    grammar: Text | None = Field(None, description="llama.cpp extension: a GBNF grammar the text follows")
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp extension: a JSON schema the text "
+                                               "follows ({} : any JSON object)")
+    response_format: dict[str, Any] | None = Field(None, description=_RESPONSE_FORMAT)
 
-    @field_validator("frequency_penalty", "presence_penalty", "repeat_penalty", "logit_bias")
+    _response = field_validator("response_format")(_response_format)
+
+    @field_validator("logit_bias")
     @classmethod
-    def _neutral_only(cls, v, info):
-        neutral = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repeat_penalty": 1.0}.get(info.field_name)
-        if v is not None and v != neutral and v != {}:
-            raise unsupported(info.field_name, _NO_PENALTIES)
+    def _openai_bias(cls, v):
+        for key, bias in (v or {}).items():
+            _token_id(key)
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise PydanticCustomError("invalid_value", f"logit_bias[{key!r}] = {bias}: a bias is in "
+                                          f"-{MAX_BIAS:g}..{MAX_BIAS:g} (-100 bans the token)")
         return v
 
+    def bias_pairs(self) -> tuple[tuple[int, float], ...] | None:
+        """logit_bias as (token id, bias) pairs; -100 (OpenAI's ban) is -inf; None when left out."""
+        if self.logit_bias is None:
+            return None
+        return tuple((_token_id(k), float("-inf") if b <= -MAX_BIAS else float(b)) for k, b in self.logit_bias.items())
 
-class _Sampling(_NoPenalties):
+    def _grammars(self) -> list[tuple[str, str | dict]]:
+        given: list[tuple[str, str | dict]] = []
+        if self.grammar:
+            given.append(("grammar", self.grammar))
+        if self.json_schema is not None:
+            given.append(("json_schema", self.json_schema or {"type": "object"}))   # {}: any object, as llama-server
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            inner = rf.get("json_schema") if rf["type"] == "json_schema" else rf
+            given.append(("response_format", inner.get("schema") or {"type": "object"}))
+        return given
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        given = self._grammars()
+        if len(given) > 1:   # llama-server: "Cannot use both json_schema and grammar"
+            raise PydanticCustomError("invalid_value", f"{' and '.join(f for f, _ in given)} both constrain the "
+                                      "text: give one of them")
+        return self
+
+    def grammar_source(self) -> tuple[str, str | dict] | None:
+        """(field, GBNF text or JSON schema) of the grammar asked for, or None (the server's default)."""
+        given = self._grammars()
+        return given[0] if given else None
+
+
+class _Sampling(_Controls):
     model: Text | None = Field(None, description="ignored: the server serves one model")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy")
     top_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -98,9 +166,6 @@ class _Sampling(_NoPenalties):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="choices per request (only 1)")
     speculative: Speculative | None = None
-    response_format: dict[str, Any] | None = Field(None, description=_TEXT_ONLY)
-
-    _text_only = field_validator("response_format")(_plain_text)
 
 
 class CompletionRequest(_Sampling):
@@ -184,7 +249,7 @@ class ChatRequest(_Sampling):
         return v
 
 
-class LlamaCompletionRequest(_NoPenalties):
+class LlamaCompletionRequest(_Controls):
     """POST /completion, llama-server's own endpoint."""
 
     prompt: Text | list[int]
@@ -199,9 +264,8 @@ class LlamaCompletionRequest(_NoPenalties):
     cache_prompt: bool = Field(True, description="accepted for compatibility; the slot's KV cache is always reused")
     speculative: Speculative | None = None
     n_probs: int | None = Field(None, description=f"only 0: more is a 400 ({_NO_N_PROBS})")
-    grammar: Text | None = Field(None, description="not supported: a 400 unless empty")
-    json_schema: dict[str, Any] | None = Field(None, description="not supported: a 400 unless empty")
-    response_format: dict[str, Any] | None = Field(None, description=_TEXT_ONLY)
+    logit_bias: dict[str, float | bool] | list[list[int | float | bool]] | None = Field(
+        None, description="llama-server's: {\"15043\": -1.5} or [[15043, -1.5]]; false bans the token")
 
     @field_validator("n_probs")
     @classmethod
@@ -210,14 +274,28 @@ class LlamaCompletionRequest(_NoPenalties):
             raise unsupported("n_probs", _NO_N_PROBS)
         return v
 
-    @field_validator("grammar", "json_schema")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_grammar(cls, v, info):
-        if v:
-            raise unsupported(info.field_name, _NO_GRAMMAR)
+    def _openai_bias(cls, v):   # replaces _Controls' check: llama-server's forms, no -100..100 bound
+        pairs = v.items() if isinstance(v, dict) else v or ()
+        for pair in pairs:
+            if not isinstance(v, dict) and (len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int)):
+                raise PydanticCustomError("invalid_value", f"logit_bias: {pair} is not a [token id, bias] pair")
+            key, bias = pair
+            if isinstance(key, str):
+                _token_id(key)
+            if bias is True:
+                raise PydanticCustomError("invalid_value", f"logit_bias[{key!r}]: a bias is a number, or false to "
+                                          "ban the token")
         return v
 
-    _text_only = field_validator("response_format")(_plain_text)
+    def bias_pairs(self) -> tuple[tuple[int, float], ...] | None:
+        """logit_bias as (token id, bias) pairs; false is -inf (llama-server's ban)."""
+        if self.logit_bias is None:
+            return None
+        items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        return tuple((_token_id(k) if isinstance(k, str) else k, float("-inf") if b is False else float(b))
+                     for k, b in items)
 
 
 # ---- responses (documentation: handlers return plain JSON) -----------------------------------

@@ -14,6 +14,8 @@ from fastapi import Request
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.chat_template import TemplateError
+from specrun.kernels.constrain import check_controls
+from specrun.kernels.grammar import Grammar, GrammarError, schema_to_gbnf
 from specrun.kernels.llama import MAX_EXACT_BATCH
 from specrun.kernels.params import SpecParams, parse_spec_types
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
@@ -82,12 +84,38 @@ class ServerState:
 
     # -- requests -> jobs ----------------------------------------------------------------------
     def sampling(self, req) -> SamplingParams:
+        """The request's sampling over the server's (command-line) defaults. A grammar (GBNF,
+        json_schema or a JSON response_format) is parsed here with the model's vocabulary, and
+        logit-bias ids checked against it: a 400 naming the field, before the request takes a slot."""
         d = self.config.sampling
         seed = d.seed if req.seed is None else (LLAMA_DEFAULT_SEED if req.seed == -1 else req.seed)
-        return SamplingParams(temp=d.temp if req.temperature is None else req.temperature,
-                              top_k=d.top_k if req.top_k is None else req.top_k,
-                              top_p=d.top_p if req.top_p is None else req.top_p,
-                              min_p=d.min_p if req.min_p is None else req.min_p, seed=seed)
+        given = {k: getattr(req, k) for k in ("repeat_penalty", "repeat_last_n", "presence_penalty",
+                                              "frequency_penalty", "ignore_eos") if getattr(req, k) is not None}
+        bias = req.bias_pairs()
+        if bias is not None:
+            bad = [t for t, _ in bias if not 0 <= t < self.model.n_vocab]
+            if bad:
+                raise ApiError(400, f"logit_bias: token id {bad[0]} is out of the vocabulary "
+                               f"(0..{self.model.n_vocab - 1})", "invalid_value")
+            given["logit_bias"] = bias
+        src = req.grammar_source()
+        if src is not None:
+            field, what = src
+            try:
+                gbnf = what if isinstance(what, str) else schema_to_gbnf(what, what=f"the {field} schema")
+                Grammar(self.model, gbnf).close()        # parses it with the vocabulary (token literals)
+            except GrammarError as e:
+                raise ApiError(400, f"{field}: {e}", "invalid_value") from None
+            given["grammar"] = gbnf
+        s = replace(d, temp=d.temp if req.temperature is None else req.temperature,
+                    top_k=d.top_k if req.top_k is None else req.top_k,
+                    top_p=d.top_p if req.top_p is None else req.top_p,
+                    min_p=d.min_p if req.min_p is None else req.min_p, seed=seed, **given)
+        try:
+            check_controls(s)
+        except SpecrunError as e:
+            raise ApiError(400, str(e), "invalid_value") from None
+        return s
 
     def spec(self, sp: Speculative | None) -> SpecParams | None:
         if sp is None:

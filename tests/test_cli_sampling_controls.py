@@ -1,0 +1,100 @@
+"""llama.cpp's sampling controls on the command line (issue 13): --repeat-penalty, --repeat-last-n,
+--presence-penalty, --frequency-penalty, --ignore-eos, -l/--logit-bias, --grammar, --grammar-file,
+-j/--json-schema, -jf/--json-schema-file. Bad values are one line and exit 1 before the model
+loads (never a traceback or llama.cpp's dump of the grammar); good ones change the text, which
+stays the same with speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from specrun.cli.main import cli
+
+CHAT = r"<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
+MODEL = "smollm2-135m-instruct"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def gen(*args: str):
+    return invoke("-m", MODEL, "-p", "The quick brown fox", "--temp", "0", "-n", "12", *args)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--grammar", 'root ::= "a'], "--grammar: the grammar does not parse: unexpected end of input; fix the GBNF"),
+    (["--grammar", "root ::= foo"], "Undefined rule identifier 'foo'"),
+    (["--grammar", 'root ::= "a"{3,1}'], "repetition {3,1} whose maximum is below its minimum"),
+    (["-j", "{bad"], "-j/--json-schema's schema is not JSON"),
+    (["-j", '{"type": "foo"}'], "cannot be turned into a grammar: Unrecognized schema"),
+    (["-jf", "/nonexistent/schema.json"], "-jf/--json-schema-file /nonexistent/schema.json: cannot read it"),
+    (["--grammar-file", "/nonexistent/g.gbnf"], "--grammar-file /nonexistent/g.gbnf: cannot read it"),
+    (["-l", "hello"], "--logit-bias 'hello': not TOKEN_ID(+/-)BIAS; write e.g. 15043+1"),
+    (["-l", "15+inf"], "a bias of +inf would leave nothing to sample"),
+    (["--repeat-penalty", "0"], "--repeat-penalty 0.0: give a number greater than 0"),
+    (["--frequency-penalty", "inf"], "--frequency-penalty inf: give a finite number"),
+])
+def test_bad_values_are_one_line_and_exit_1(args, words):
+    r = invoke("-m", "/nonexistent/model.gguf", "-p", "x", *args)    # refused before the model is looked at
+    assert r.exit_code == 1, r.output
+    assert words in r.stderr, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
+    assert "Traceback" not in r.output and "root ::=" not in r.stderr.replace(words, "")
+
+
+def test_two_grammars_are_a_usage_error():
+    r = invoke("-m", MODEL, "-p", "x", "--grammar", 'root ::= "a"', "-j", "{}")
+    assert r.exit_code == 2 and "--grammar and -j/--json-schema do not go together" in r.stderr
+
+
+def test_the_flags_reach_chat_and_serve():
+    for cmd in ("run", "chat", "serve"):
+        out = invoke(cmd, "--help").stdout
+        for flag in ("--repeat-penalty", "--repeat-last-n", "--presence-penalty", "--frequency-penalty",
+                     "--ignore-eos", "-l, --logit-bias", "--grammar", "--grammar-file", "-j, --json-schema",
+                     "-jf, --json-schema-file"):
+            assert flag in out, (cmd, flag)
+
+
+def test_out_of_vocabulary_bias_is_one_line():
+    r = gen("-l", "999999+1")
+    assert r.exit_code == 1
+    assert "logit bias for token 999999: the vocabulary has 49152 tokens (0..49151)" in r.stderr
+
+
+@pytest.mark.slow
+def test_controls_change_the_text_and_spec_keeps_it(tmp_path):
+    free = json.loads(gen("--json").stdout)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}')
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text("root ::= [^e]*\n")
+    for args, check in [
+        (["--repeat-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.5"], None),
+        (["-l", f"{free['tokens'][0]}-inf"], lambda o: free["tokens"][0] not in o["tokens"]),
+        (["--grammar-file", str(gbnf)], lambda o: "e" not in o["text"]),
+        (["-jf", str(schema)], lambda o: set(json.loads(o["text"])) == {"n"}),
+    ]:
+        for temp in ("0", "0.8"):
+            plain = json.loads(gen("--json", "--temp", temp, "-s", "5", *args).stdout)
+            spec = json.loads(gen("--json", "--temp", temp, "-s", "5", "--spec-type", "ngram-simple",
+                                  "--spec-ngram-simple-size-n", "2", *args).stdout)
+            assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"], args
+            assert plain["tokens"] != json.loads(gen("--json", "--temp", temp, "-s", "5").stdout)["tokens"], args
+            assert check is None or check(plain), (args, plain["text"])
+
+
+@pytest.mark.slow
+def test_ignore_eos_generates_past_the_end_of_the_answer():
+    short = json.loads(invoke("-m", MODEL, "-p", CHAT, "--temp", "0", "-n", "24", "--json").stdout)
+    assert short["stop"] == "eog" and len(short["tokens"]) < 24
+    long = json.loads(invoke("-m", MODEL, "-p", CHAT, "--temp", "0", "-n", "24", "--json", "--ignore-eos").stdout)
+    assert long["stop"] == "n_predict" and len(long["tokens"]) == 24
+    assert long["tokens"][:len(short["tokens"]) - 1] == short["tokens"][:-1]    # the same answer, then more
+    assert re.search(r"\S", long["text"][len(short["text"]):])
