@@ -62,8 +62,10 @@ def test_markdown_rows():
                              "500", "1001", "0.50"]
     assert cells("ngram-simple") == ["code-rewrite", "ngram-simple", "124.0", "2.00", "yes", "150.0", "1.50",
                                      "**no**", "0.83", "400", "800", "0.50"]
-    auto = cells("auto → ngram-simple size-n 3 size-m 16")
-    assert auto[2:5] == ["93.0", "1.50", "yes"] and set(auto[5:9] + auto[10:]) == {"—"}
+    auto = cells("auto → ngram-simple size-n 3 size-m 16 (llama-server: its best, ngram-simple)")
+    assert auto[2:] == ["93.0", "1.50", "yes", "150.0", "1.50", "**no**", "0.62", "500", "800", "0.62"]
+    assert "`auto` ≥ llama-server's best of {none, ngram-simple, ngram-simple n3 m16}: 0 of 1 workloads " \
+           "(not on: code-rewrite); `auto`'s text = `none`'s: 1 of 1." in md
     assert "commit `abc1234`" in md and "0.5–1.3" in md and "40 prompt tokens" in md
     assert "identical between specrun and llama-server: 1 of 1 workloads." in md
 
