@@ -35,6 +35,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from .constrain import Constraints, VerifyPass
 from .drafters import TargetView, draft_n_max, drafter_key, make_drafter
+from .draftlen import Acceptance, PassCost, best_length
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import EngineParams, SpecParams
 from .prefill import FastPrefill, fast_len
@@ -140,6 +141,7 @@ class Engine:
                          if params.exact and params.fast_prefill and not self.mtp_enabled
                          and not self.model.recurrent else None)
             self._restored = 0   # fast_len of the state the exact context was loaded from; 0: none
+            self.pass_cost = PassCost()   # t(rows) of this engine's target passes (adaptive draft length)
             self.target = TargetView(self.model, self.ctx, self.n_ctx, self.ctx.n_batch, params.n_threads,
                                      params.exact, self.fast is not None)
             self.drafters = self.drafters_for(spec)
@@ -247,6 +249,7 @@ class Engine:
         # n-gram copy longer than the cap (exact mode: 62 tokens) is cut there
         n_lim = [min(draft_n_max(d.spec_type, spec), self.n_max_cap) for d in drafters]
         n_cur = list(n_lim)                      # per-drafter draft length (adaptive) or its limit
+        acc = [Acceptance() for _ in drafters]   # --spec-draft-adaptive: each drafter's running acceptance
         n_emitted, t0, t_gen0 = 0, time.perf_counter(), None
         try:
             if limit == 0:
@@ -290,9 +293,9 @@ class Engine:
                 if which >= 0:
                     st.verify = verify_mode(spec, sampling, draft)   # empty drafts are plain steps
                     st.drafters[which].record(len(draft), verdict.n_accepted)
-                    if spec.adaptive:  # grow after a fully accepted draft, shrink after a rejection
-                        n_cur[which] = (min(n_lim[which], n_cur[which] + 2) if verdict.n_accepted == len(draft)
-                                        else max(1, n_cur[which] - 1))
+                    if spec.adaptive:  # the length that pays at this acceptance and pass cost (kernels/draftlen)
+                        acc[which].record(len(draft), verdict.n_accepted)
+                        n_cur[which] = best_length(acc[which].rate, self.pass_cost, n_lim[which])
                 n_past += verdict.n_accepted + 1
                 id_last = int(verdict.tokens[-1])
                 out = [int(t) for t in verdict.tokens]
@@ -348,7 +351,9 @@ class Engine:
         batch = np.empty(k + 1, dtype=np.int32)
         batch[0] = id_last
         batch[1:] = draft.tokens
+        t = time.perf_counter()
         self.ctx.decode(batch, n_past, "all")
+        self.pass_cost.record(k + 1, time.perf_counter() - t)
         rows = self.ctx.logits_rows()             # float32 [k + 1, n_vocab]
         verdict = verify(draft, rows if vp is None else vp.rows(rows), sampling, n_past + 1,
                          verify_mode(spec, sampling, draft))

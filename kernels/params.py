@@ -40,7 +40,7 @@ class SpecParams:
     ngram_size_m: int = 48
     ngram_min_hits: int = 1
     verify: str = "auto"       # auto | match | rejection
-    adaptive: bool = False     # adapt each drafter's n-max to its acceptance (within 1..n_max)
+    adaptive: bool = False     # each step's draft length from acceptance and pass cost (kernels/draftlen), 1..n_max
 
 
 @dataclass(frozen=True, slots=True)

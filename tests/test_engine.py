@@ -93,23 +93,33 @@ def test_second_generation_reuses_the_cache_and_says_so_to_begin(engine):
 
 
 def test_cancel_stops_a_long_prompt_between_chunks(engine):
+    """The exact path (--no-fast-prefill) polls after every 512-token chunk; the fast prompt path
+    between its blocks and then after each chunk of the rest (tests/test_prefill.py)."""
     prompt = engine.tokenize("alpha beta gamma delta " * 400)[:1500]
     assert len(prompt) > 2 * 512
+    with Engine(engine.model.path, EngineParams(n_ctx=2048, n_batch=2048, fast_prefill=False),
+                model=engine.model) as exact:
+        polls = []
+
+        def cancel() -> bool:
+            polls.append(len(exact.kv_tokens))
+            return len(polls) >= 2
+
+        gen = exact.generate(prompt, 8, GREEDY, cancel=cancel)
+        assert list(gen) == []
+        assert gen.stats.stop == "interrupted" and gen.stats.n_gen == 0
+        assert polls == [512, 1024] and len(exact.kv_tokens) == 1024      # stopped after the 2nd of 3 chunks
+        # the chunks evaluated stay in the cache: the retry evaluates only the rest
+        gen = exact.generate(prompt, 2, GREEDY)
+        list(gen)
+        assert gen.stats.n_prompt == len(prompt) - 1024
+    # the fast path: the first poll is between its two blocks (nothing in the exact context yet)
     engine.reset()
+    engine.fast.close()
     polls = []
-
-    def cancel() -> bool:
-        polls.append(len(engine.kv_tokens))
-        return len(polls) >= 2
-
-    gen = engine.generate(prompt, 8, GREEDY, cancel=cancel)
-    assert list(gen) == []
-    assert gen.stats.stop == "interrupted" and gen.stats.n_gen == 0
-    assert polls == [512, 1024] and len(engine.kv_tokens) == 1024      # stopped after the 2nd of 3 chunks
-    # the chunks evaluated stay in the cache: the retry evaluates only the rest
-    gen = engine.generate(prompt, 2, GREEDY)
-    list(gen)
-    assert gen.stats.n_prompt == len(prompt) - 1024
+    gen = engine.generate(prompt, 8, GREEDY, cancel=lambda: polls.append(len(engine.kv_tokens)) or True)
+    assert list(gen) == [] and gen.stats.stop == "interrupted"
+    assert polls == [0] and engine.fast.tokens == prompt[:512].tolist()
 
 
 def test_draft_length_above_the_cap_is_refused_with_the_cap(engine):

@@ -135,8 +135,9 @@ def spec_options(f):
     @click.option("--spec-verify", "verify", type=click.Choice(["auto", "match", "rejection"]), default="auto",
                   show_default=True, help="rejection = speculative sampling when the drafter has a distribution")
     @click.option("--spec-draft-adaptive", "adaptive", is_flag=True,
-                  help="adapt the draft length to acceptance: +2 after a fully accepted draft, -1 after a "
-                       "rejection, within 1..--spec-draft-n-max")
+                  help="each step's draft length: the one with the most expected tokens per second at the "
+                       "drafter's running acceptance and the measured cost of a verify pass, within 1..n-max "
+                       "(size-m for n-grams)")
     @functools.wraps(f)
     def wrapper(*a, **k):
         return f(*a, **k)

@@ -1,0 +1,100 @@
+"""The cost-aware draft length (kernels/draftlen.py), against hand-worked numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrun.kernels.draftlen import Acceptance, PassCost, best_length, expected_tokens
+
+
+def test_expected_tokens():
+    assert expected_tokens(1.0, 7) == 8.0
+    assert expected_tokens(0.0, 7) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def cost(c0: float, c1: float) -> PassCost:
+    c = PassCost()
+    c.record(1, c0 + c1)
+    c.record(9, c0 + 9 * c1)
+    return c
+
+
+def test_pass_cost_line_and_prior():
+    assert PassCost().line() == (1.0, 0.25)
+    c = cost(0.75, 0.25)
+    assert c.line() == pytest.approx((0.75, 0.25)) and c.at(5) == pytest.approx(2.0)
+    one = PassCost()
+    one.record(5, 2.25)                    # one point: through it, the prior's slope ratio
+    assert one.line() == pytest.approx((1.0, 0.25))
+    flat = PassCost()
+    flat.record(1, 1.0)
+    flat.record(9, 0.5)                    # a decreasing fit is clamped to a flat cost
+    assert flat.line() == pytest.approx((0.75, 0.0))
+
+
+@pytest.mark.parametrize(("a", "c0", "c1", "cap", "want"), [
+    (1.0, 1.0, 0.25, 16, 16),     # a verbatim copy: the longest draft pays
+    (0.999, 1.0, 0.25, 62, 62),
+    (0.0, 1.0, 0.25, 16, 1),      # never right: the least (1, to keep learning)
+    (0.5, 1.0, 0.25, 16, 1),      # k=1: 1.5/1.5 = k=2: 1.75/1.75 = 1.0 -> the shorter
+    (0.8, 1.0, 0.25, 16, 4),      # 3.3616/2.25 = 1.494 beats k=3 (1.476) and k=5 (1.476)
+    (0.8, 1.0, 0.25, 3, 3),       # within the cap
+    (0.8, 1.0, 0.0, 16, 16),      # free rows: always the longest
+    (0.8, 1.0, 1.0, 16, 2),       # rows as dear as a pass: 2.44/4 = 0.61 beats 1.8/3 and 2.952/5
+])
+def test_best_length(a, c0, c1, cap, want):
+    assert best_length(a, cost(c0, c1), cap) == want
+
+
+def test_acceptance_follows_the_text():
+    acc = Acceptance()
+    assert acc.rate == 0.5
+    for _ in range(10):
+        acc.record(8, 8)                   # a copy: every draft accepted
+    assert acc.rate > 0.95
+    assert best_length(acc.rate, PassCost(), 16) == 16
+    for _ in range(5):
+        acc.record(8, 0)                   # the copy ended
+    assert acc.rate < 0.8 and best_length(acc.rate, PassCost(), 16) <= 4
+
+
+# ---- in the engine ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(smollm_path):
+    from pathlib import Path
+
+    from drafters import OracleDraft, ShiftedDraft
+
+    from specrun.kernels.drafters import DraftModel
+    from specrun.kernels.engine import Engine
+    from specrun.kernels.params import EngineParams, SpecParams
+    from specrun.kernels.types import SamplingParams
+
+    code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:1200]
+    greedy = SamplingParams(temp=0.0)
+    with Engine(str(smollm_path), EngineParams(n_ctx=2048, n_threads=2)) as e:
+        prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:200])
+
+        def run(spec, drafters=None):
+            gen = e.generate(prompt, 96, greedy, spec=spec, drafters=drafters)
+            return [t for c in gen for t in c], gen.stats
+
+        plain, _ = run(SpecParams(verify="match"))
+        ngram = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=24, verify="match", adaptive=True)
+        out, st = run(ngram)
+        assert out == plain and st.drafters[0].n_acc_tokens > 0
+        out, st = run(SpecParams(types=("draft-simple",), n_max=16, verify="match", adaptive=True),
+                      [OracleDraft(plain, len(prompt))])
+        assert out == plain
+        d = st.drafters[0]
+        assert d.n_acc_tokens == d.n_gen_tokens and d.n_gen_tokens / d.n_gen_drafts > 10   # long when right
+        wrong = ShiftedDraft(DraftModel(e.target, str(smollm_path)), e.model.n_vocab)
+        try:
+            out, st = run(SpecParams(types=("draft-simple",), n_max=8, verify="match", adaptive=True), [wrong])
+        finally:
+            wrong.close()
+        assert out == plain
+        d = st.drafters[0]
+        assert d.n_acc_tokens == 0 and d.n_gen_tokens / d.n_gen_drafts < 1.5       # back to 1 at once
