@@ -190,9 +190,12 @@ class Engine:
         return self.model.tokenize(text, add_special=add_special)
 
     def reset(self) -> None:
+        """Forget every cached prompt (the fast prompt context's blocks too); memory stays allocated."""
         self.ctx.clear()
         self.kv_tokens = []
         self._restored = 0
+        if self.fast is not None:
+            self.fast.forget()
 
     # -- the loop ----------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], n_predict: int = -1, sampling: SamplingParams = _SAMPLING_DEFAULT,

@@ -60,6 +60,12 @@ class FastPrefill:
     def kv_mib(self) -> float:
         return self.ctx.kv_mib if self.ctx is not None else 0.0
 
+    def forget(self) -> None:
+        """Drop the blocks held (the context stays allocated)."""
+        if self.ctx is not None:
+            self.ctx.clear()
+        self.tokens = []
+
     def close(self) -> None:
         if self.ctx is not None:
             self.ctx.close()

@@ -144,9 +144,7 @@ def test_result_depends_on_the_tokens_only(engines):
     prompt = P["two_blocks"]
     fast.reset()
     ref = _run(fast, prompt)[:2]
-    # the fast context still holds the blocks: a reset of the exact context alone
-    fast.reset()
-    assert _run(fast, prompt)[:2] == ref
+    assert _run(fast, prompt)[:2] == ref                           # the same prompt again: all reused
     # after a shorter prompt (fast_len 512) and a short one (none)
     for other in (P["one_block"], P["short"]):
         fast.reset()
@@ -154,6 +152,7 @@ def test_result_depends_on_the_tokens_only(engines):
         assert _run(fast, prompt)[:2] == ref, len(other)
     # a chat turn: the prompt plus its answer plus a follow-up crosses from 1100 to 1100+24+n
     fast.reset()
+    assert not fast.fast.tokens                                     # reset forgets the fast blocks too
     toks, _, _ = _run(fast, prompt)
     follow = np.concatenate([prompt, np.asarray(toks, np.int32), fast.tokenize("\nAgain:", add_special=False)])
     incremental = _run(fast, follow)[:2]
