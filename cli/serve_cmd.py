@@ -23,6 +23,7 @@ from .runtime.console import err_console, handle_errors, setup_logging
 from .runtime.loading import open_engines
 from .runtime.options import (
     AUTO,
+    chat_template_choice,
     engine_params,
     model_options,
     sampling_options,
@@ -73,8 +74,13 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
 @click.option("--api-key", "api_key", envvar="SPECRUN_API_KEY", default=None,
               help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every endpoint but /health")
 @click.option("-a", "--alias", default=None, help="the model's name in responses (default: the -m name)")
-@click.option("--chat-template", "chat_template", default=None,
-              help="a Jinja chat template file to use instead of the model's own (checked at start)")
+@click.option("--chat-template", "chat_template", default=None, metavar="NAME|JINJA",
+              help="one of llama.cpp's built-in template names (chatml, llama3, gemma...), or Jinja text (a file "
+                   "path also works) instead of the model's own (checked at start)")
+@click.option("--chat-template-file", "chat_template_file", default=None, metavar="FILE",
+              help="a Jinja chat template file instead of the model's own (checked at start)")
+@click.option("--jinja/--no-jinja", "jinja", default=None,
+              help="accepted; specrun always renders chat templates with Jinja")
 @click.option("--drain-timeout", "drain_timeout", type=click.FloatRange(0), default=DRAIN_TIMEOUT_S,
               show_default=True, help="on SIGTERM / Ctrl-C, seconds the requests in flight get to finish before "
                                       "they are stopped with an error")
@@ -83,8 +89,7 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
 @click.option("--body-timeout", "body_timeout", type=click.FloatRange(0, min_open=True), default=BODY_TIMEOUT_S,
               show_default=True, help="seconds a request body may take to arrive (then: 408)")
 @handle_errors
-def serve(host, port, parallel, max_queue, api_key, alias, chat_template, drain_timeout, max_body, body_timeout,
-          **kw):
+def serve(host, port, parallel, max_queue, api_key, alias, drain_timeout, max_body, body_timeout, **kw):
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /completion, /v1/models,
     /health, /metrics (OpenAPI schema at /openapi.json). -n caps each request's tokens."""
     import uvicorn
@@ -97,6 +102,7 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, drain_
         raise click.ClickException("the API key is empty (--api-key or SPECRUN_API_KEY); give a key, or leave "
                                    "both out to serve without one")
     setup_logging(kw["verbose"])
+    chat_template, chat_template_file = chat_template_choice(kw)
     params = engine_params(kw)
     if not kw["threads"]:   # the cores, shared between the slots
         params = replace(params, n_threads=max(1, (os.cpu_count() or 1) // parallel))
@@ -109,8 +115,8 @@ def serve(host, port, parallel, max_queue, api_key, alias, chat_template, drain_
         server = _make_server(uvicorn.Config(gate, lifespan="off", timeout_graceful_shutdown=max(drain_timeout, 5.0),
                                         log_level="info" if kw["verbose"] else "warning", access_log=kw["verbose"]))
         options = dict(parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias,
-                       chat_template=chat_template, drain_timeout=drain_timeout, max_body=max_body,
-                       body_timeout=body_timeout)
+                       chat_template=chat_template, chat_template_file=chat_template_file,
+                       drain_timeout=drain_timeout, max_body=max_body, body_timeout=body_timeout)
         loader = _Loader(kw, params, options, url, gate, server)
         err_console.print(f"specrun serve: loading {kw['model']} on {url}", markup=False, soft_wrap=True)
         loader.start()
@@ -165,10 +171,11 @@ class _Loader(threading.Thread):
             params = engines[0].params
             fmt, reason = None, ""
             try:
-                fmt = time_limited(lambda: ChatFormat.load(model, opt["chat_template"]))
+                fmt = time_limited(lambda: ChatFormat.load(model, opt["chat_template"], opt["chat_template_file"]))
             except TemplateError as e:
-                if opt["chat_template"]:
-                    raise TemplateError(f"--chat-template {opt['chat_template']}: {e}") from None
+                if opt["chat_template"] or opt["chat_template_file"]:
+                    flag = "--chat-template" if opt["chat_template"] else "--chat-template-file"
+                    raise TemplateError(f"{flag} {opt['chat_template'] or opt['chat_template_file']}: {e}") from None
                 reason = str(e)
             spec_types = ["none", "ngram-simple"]
             if "draft-simple" in params.spec.types:

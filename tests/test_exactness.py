@@ -97,7 +97,7 @@ def test_ngram_simple_equals_plain(target, prompt, temp, size_n, size_m):
 def test_ngram_simple_drafts_and_accepts_on_copying(target):
     """The branch that accepts is really taken (greedy copy of a long file), with drafts longer
     than --spec-draft-n-max: size_m bounds an n-gram draft, as in llama.cpp."""
-    _, st = run(target.engine, target.prompts["long"], 0.0,
+    _, st = run(target.engine, target.prompts["long"], 0.0, n_gen=64,
                 spec=spec(("ngram-simple",), 3, ngram_size_n=2, ngram_size_m=16))
     assert st.n_drafted > 0 and st.n_accepted > 0
     assert st.n_target_passes < st.n_gen - 1

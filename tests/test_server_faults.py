@@ -312,3 +312,34 @@ def test_an_empty_api_key_is_an_error(args, env):
     assert r.exit_code == 1
     assert r.output.splitlines() == ["Error: the API key is empty (--api-key or SPECRUN_API_KEY); give a key, or "
                                      "leave both out to serve without one"]
+
+
+def test_chat_template_file_and_builtin_names_as_llama_server(tmp_path, smollm_path):
+    """serve takes llama-server's --chat-template NAME|JINJA, --chat-template-file FILE and
+    --jinja; a chat request's prompt is the one that template renders (SmolLM2's own template
+    would add its default system message: other token counts)."""
+    from specrun.cli.runtime.chat import ChatFormat
+    from specrun.kernels.llama import Model
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] ")
+    messages = [{"role": "user", "content": "hi"}]
+    cases = ((["--chat-template-file", str(path), "--jinja"], None, str(path), "[user] hi\n[assistant] "),
+             (["--chat-template", "chatml"], "chatml", None, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"))
+    with Model(str(smollm_path)) as model:
+        own = len(ChatFormat.load(model).prompt(messages)[0])
+        for args, name, file, text in cases:
+            toks, rendered = ChatFormat.load(model, name, file).prompt(messages)
+            assert rendered == text and len(toks) != own
+            srv = ServerProcess(tmp_path, "-m", MODEL, "-c", "256", *args)
+            try:
+                r = srv.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                                 "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["prompt_tokens"] == len(toks), args
+            finally:
+                srv.kill()
+    r = subprocess.run([SPECRUN, "serve", "--port", "0", "-m", MODEL, "-c", "256", "--chat-template", "chatml",
+                        "--chat-template-file", str(path)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=4 * T)
+    assert r.returncode == 2 and "not both" in r.stderr and "Traceback" not in r.stderr
