@@ -279,3 +279,17 @@ def test_chat_prints_its_random_seed_once_before_the_first_answer_and_it_replays
     assert len(seeds) == 1 and a.stderr.startswith("sampler seed:")
     b = invoke(*args, "--seed", seeds[0], input="Tell me a story.\nAnd another.\n")
     assert b.stdout == a.stdout and "sampler seed" not in b.stderr
+
+
+def test_md_with_an_eagle3_draft_is_refused_in_one_line(tmp_path):
+    """llama.cpp infers draft-eagle3 from such a file; specrun has no EAGLE-3 yet and says so."""
+    from conftest import write_gguf
+
+    path = write_gguf(tmp_path / "eagle3.gguf", arch="eagle3")
+    for extra in ([], ["--spec-type", "draft"]):
+        r = CliRunner().invoke(cli, ["-m", "smollm2-135m-instruct", "-md", str(path), "-p", "hi", "-n", "1", *extra])
+        assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+        assert r.output.strip().splitlines()[-1] == (
+            "Error: -md eagle3.gguf is an EAGLE-3 draft (architecture eagle3), which llama.cpp runs as --spec-type "
+            "draft-eagle3; specrun does not have draft-eagle3 yet: give a draft model (draft) or MTP heads "
+            "(draft-mtp)")

@@ -57,6 +57,10 @@ def draft_types(params: EngineParams, draft: ModelSpec | None, draft_name: str) 
     (MTP heads: draft-mtp; a whole model: draft-simple), said in one line on stderr, as llama.cpp
     infers it from the draft GGUF; none without -md. An -md that the given types never use is noted."""
     types = params.spec.types
+    if draft is not None and draft.architecture == "eagle3":
+        raise SpecrunError(f"-md {draft_name} is an EAGLE-3 draft (architecture eagle3), which llama.cpp runs as "
+                           "--spec-type draft-eagle3; specrun does not have draft-eagle3 yet: give a draft model "
+                           "(draft) or MTP heads (draft-mtp)")
     if types == INFER:
         if draft is None:
             return ()
