@@ -29,6 +29,7 @@ from .runtime.options import (
     sampling_options,
     sampling_params,
     spec_options,
+    template_options,
 )
 from .server.state import BODY_TIMEOUT_S, DRAIN_TIMEOUT_S, MAX_BODY
 
@@ -74,13 +75,7 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
 @click.option("--api-key", "api_key", envvar="SPECRUN_API_KEY", default=None,
               help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every endpoint but /health")
 @click.option("-a", "--alias", default=None, help="the model's name in responses (default: the -m name)")
-@click.option("--chat-template", "chat_template", default=None, metavar="NAME|JINJA",
-              help="one of llama.cpp's built-in template names (chatml, llama3, gemma...), or Jinja text (a file "
-                   "path also works) instead of the model's own (checked at start)")
-@click.option("--chat-template-file", "chat_template_file", default=None, metavar="FILE",
-              help="a Jinja chat template file instead of the model's own (checked at start)")
-@click.option("--jinja/--no-jinja", "jinja", default=None,
-              help="accepted; specrun always renders chat templates with Jinja")
+@template_options
 @click.option("--drain-timeout", "drain_timeout", type=click.FloatRange(0), default=DRAIN_TIMEOUT_S,
               show_default=True, help="on SIGTERM / Ctrl-C, seconds the requests in flight get to finish before "
                                       "they are stopped with an error")

@@ -181,11 +181,8 @@ def sampling_options(f):
     return wrapper
 
 
-def chat_options(f):
-    """The conversation's options: `specrun chat`, and `specrun -cnv` (run's conversation mode)."""
-    @click.option("-sys", "--system-prompt", "system_prompt", default=None, help="the system message")
-    @click.option("-sysf", "--system-prompt-file", "system_prompt_file", default=None, metavar="FILE",
-                  help="read the system message from a file")
+def template_options(f):
+    """The chat template: chat, run -cnv and serve (read with chat_template_choice)."""
     @click.option("--chat-template", "chat_template", default=None, metavar="NAME|JINJA",
                   help="one of llama.cpp's built-in template names (chatml, llama3, gemma...), or Jinja text "
                        "(a file path also works) instead of the model's own")
@@ -193,6 +190,19 @@ def chat_options(f):
                   help="a Jinja chat template file instead of the model's own")
     @click.option("--jinja/--no-jinja", "jinja", default=None,
                   help="accepted; specrun always renders chat templates with Jinja")
+    @functools.wraps(f)
+    def wrapper(*a, **k):
+        return f(*a, **k)
+
+    return wrapper
+
+
+def chat_options(f):
+    """The conversation's options: `specrun chat`, and `specrun -cnv` (run's conversation mode)."""
+    @click.option("-sys", "--system-prompt", "system_prompt", default=None, help="the system message")
+    @click.option("-sysf", "--system-prompt-file", "system_prompt_file", default=None, metavar="FILE",
+                  help="read the system message from a file")
+    @template_options
     @click.option("-st", "--single-turn", "single_turn", is_flag=True,
                   help="answer one message, then exit")
     @functools.wraps(f)
