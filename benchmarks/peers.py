@@ -287,6 +287,7 @@ def summarize(requests: list[dict]) -> list[dict]:
         gen, prompt = statistics.median(r["gen_tps"] for r in rs), statistics.median(r["prompt_tps"] for r in rs)
         none_gen = statistics.median(r["gen_tps"] for r in none) if none else None
         rows.append({"workload": workload, "setting": setting, "system": system, "gen_tps": gen, "prompt_tps": prompt,
+                     "gen_min": min(r["gen_tps"] for r in rs), "gen_max": max(r["gen_tps"] for r in rs),
                      "prompt_n": statistics.median(r["prompt_n"] for r in rs),
                      "predicted_n": statistics.median(r["predicted_n"] for r in rs),
                      "x_none": gen / none_gen if none_gen else None,
@@ -327,25 +328,21 @@ def markdown(data: dict) -> str:
     settings = [s.name for s in SETTINGS if any(r["setting"] == s.name for r in rows)]
     autos = {sv["model"]: sv["auto"] for sv in data.get("servers", []) if sv["setting"] == "auto"}
     dirty = f", with uncommitted changes in {', '.join(m['dirty'])}" if m["dirty"] else ""
-    loads = [sv["load_avg_1m"] for sv in data.get("servers", [])]
-    busy = [sv["busy_before"] for sv in data.get("servers", []) if sv.get("busy_before") is not None]
-    load = (f" (as each server started: 1-minute load average {min(loads):.1f}–{max(loads):.1f}"
-            + (f", other work on {min(busy):.0%}–{max(busy):.0%} of the CPUs" if busy else "") + ")") if loads else ""
+    out = [f"Measured {m['date']} at commit `{m['commit']}`{dirty}; {m['cpu']}, {m['cores']} cores; llama-server "
+           f"`{m['llama_server_version'] or '?'}`. Each server alone, {m['threads']} threads, context {m['ctx']}, "
+           f"greedy, n_predict {m['n_predict']}; tokens/s are each server's own `timings`, the median of "
+           f"{m['reps']} requests after one warm-up (min–max in brackets). `× none` is against the same system's "
+           "`none`; `= none` compares the text with that system's own `none` text."]
     during = [r["others_busy"] for r in data["requests"] if r.get("others_busy") is not None]
     if during:
-        noisy = sum(x > m.get("max_busy", 0.25) for x in during)
-        load += (f"; other work while a kept request ran: median {statistics.median(during):.0%} of the CPUs, "
-                 f"{noisy} of {len(during)} requests above {m.get('max_busy', 0.25):.0%} after "
-                 f"{sum(r.get('attempt', 0) for r in data['requests'])} re-measurements")
-    out = [f"Measured {m['date']} at commit `{m['commit']}`{dirty}; {m['cpu']}, {m['cores']} cores, "
-           f"{m['threads']} threads per server, one server at a time{load}, context {m['ctx']}, greedy, "
-           f"n_predict {m['n_predict']}, median of {m['reps']} after one warm-up. llama-server: "
-           f"`{m['llama_server_version'] or '?'}`. Speeds are each server's own `timings`; "
-           "`× none` is against the same system's `none`, `= none` compares with that system's own `none` text.",
-           "",
-           "| workload | setting | specrun tok/s | × none | = none | llama-server tok/s | × none | = none "
-           "| specrun ÷ llama-server | specrun prompt tok/s | llama-server prompt tok/s | prompt ÷ |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        cap = m.get("max_busy", 0.25)
+        out[0] += (f" Other work on the machine while a kept request ran: median {statistics.median(during):.0%} of "
+                   f"the CPUs, {sum(x > cap for x in during)} of {len(during)} requests above {cap:.0%} "
+                   f"({sum(r.get('attempt', 0) for r in data['requests'])} measured again for that).")
+    out += ["",
+            "| workload | setting | specrun tok/s | × none | = none | llama-server tok/s | × none | = none "
+            "| specrun ÷ llama-server | specrun prompt tok/s | llama-server prompt tok/s | prompt ÷ |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for w in workloads:
         for s in settings:
@@ -361,7 +358,8 @@ def markdown(data: dict) -> str:
                     verdicts.append((w, a["gen_tps"] >= b["gen_tps"], a["equal_none"]))
             cells = [w, label]
             for r in (a, b):
-                cells += [_f(r and r["gen_tps"], ".1f"), _f(r and r["x_none"], ".2f"), _eq(r and r["equal_none"])]
+                tps = f"{r['gen_tps']:.1f} ({r['gen_min']:.0f}–{r['gen_max']:.0f})" if r else "—"
+                cells += [tps, _f(r and r["x_none"], ".2f"), _eq(r and r["equal_none"])]
             both = a is not None and b is not None
             cells += [_f(a["gen_tps"] / b["gen_tps"] if both else None, ".2f"),
                       _f(a and a["prompt_tps"], ".0f"), _f(b and b["prompt_tps"], ".0f"),
@@ -373,6 +371,13 @@ def markdown(data: dict) -> str:
         out += ["", f"`auto` ≥ llama-server's best of {{{', '.join(PEER_SETTINGS)}}}: {len(won)} of {len(verdicts)} "
                     f"workloads" + (f" (not on: {', '.join(w for w, f, _ in verdicts if not f)})" if len(won) < len(verdicts)
                                     else "") + f"; `auto`'s text = `none`'s: {len(same)} of {len(verdicts)}."]
+    twins = [by[(w, "auto", "specrun")]["x_none"] for w in workloads if (w, "auto", "specrun") in by
+             and chosen(autos.get(m["workloads"][w]["model"]), by[(w, "auto", "specrun")]["spec"]) == "none"]
+    if twins:
+        dev = [abs(x - 1) for x in twins]
+        out += ["", f"Where `auto` chose `none`, its row measures `none` again in another server process: the two "
+                    f"differ by {statistics.median(dev):.0%} in the median and up to {max(dev):.0%} ({len(dev)} "
+                    "workloads), this machine's run-to-run spread; smaller differences between rows mean little."]
     out += ["", "Workloads (prompt files under `benchmarks/prompts/`; prompt tokens as the servers evaluated them):", ""]
     for w in workloads:
         info = m["workloads"][w]

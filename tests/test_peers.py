@@ -58,15 +58,15 @@ def test_markdown_rows():
     md = peers.markdown(fake_run())
     lines = {ln.split(" | ")[1]: ln for ln in md.splitlines() if ln.startswith("| code-rewrite |")}
     cells = lambda s: [c.strip() for c in lines[s].strip("|").split("|")]          # noqa: E731
-    assert cells("none") == ["code-rewrite", "none", "62.0", "1.00", "yes", "100.0", "1.00", "yes", "0.62",
+    assert cells("none") == ["code-rewrite", "none", "62.0 (60–64)", "1.00", "yes", "100.0 (90–110)", "1.00", "yes", "0.62",
                              "500", "1001", "0.50"]
-    assert cells("ngram-simple") == ["code-rewrite", "ngram-simple", "124.0", "2.00", "yes", "150.0", "1.50",
+    assert cells("ngram-simple") == ["code-rewrite", "ngram-simple", "124.0 (120–130)", "2.00", "yes", "150.0 (140–160)", "1.50",
                                      "**no**", "0.83", "400", "800", "0.50"]
     auto = cells("auto → ngram-simple size-n 3 size-m 16 (llama-server: its best, ngram-simple)")
-    assert auto[2:] == ["93.0", "1.50", "yes", "150.0", "1.50", "**no**", "0.62", "500", "800", "0.62"]
+    assert auto[2:] == ["93.0 (93–93)", "1.50", "yes", "150.0 (140–160)", "1.50", "**no**", "0.62", "500", "800", "0.62"]
     assert "`auto` ≥ llama-server's best of {none, ngram-simple, ngram-simple n3 m16}: 0 of 1 workloads " \
            "(not on: code-rewrite); `auto`'s text = `none`'s: 1 of 1." in md
-    assert "commit `abc1234`" in md and "0.5–1.3" in md and "40 prompt tokens" in md
+    assert "commit `abc1234`" in md and "40 prompt tokens" in md and "after one warm-up" in md
     assert "identical between specrun and llama-server: 1 of 1 workloads." in md
 
 
@@ -88,3 +88,9 @@ def test_workloads_have_prompt_files_and_enough_variety():
     assert len(peers.WORKLOADS) >= 6
     for w in peers.WORKLOADS:
         assert (peers.PROMPTS / w.file).read_text(encoding="utf-8").strip(), w.file
+
+
+def test_other_work_share_leaves_out_the_server():
+    # all CPUs: 100 ticks, 70 busy, of which the server's own 30: other work took 40 %
+    assert peers.others_share(((100, 50), (0, 10)), ((200, 120), (0, 40))) == pytest.approx(0.4)
+    assert peers.others_share(((100, 50), (0, 10)), ((200, 60), (0, 25))) == 0.0      # never below 0
