@@ -54,8 +54,8 @@ _last_error: list[str] = []   # llama.cpp's latest error line: the reason a load
 # "attn_rot_k = 1, n_embd_head_k_all = 64" -> {"k": (1, 64)}; read by Context.__init__
 _kv_rot_said: dict[str, tuple[int, int]] = {}
 _ROT_LINE = re.compile(r"attn_rot_([kv]) = (\d+), n_embd_head_k_all = (-?\d+)")
-_buffers_said: list[tuple[str, float]] = []   # ("KV" | "output" | "compute", MiB) of the context being created
-_BUF_LINE = re.compile(r"(KV|output|compute) buffer size =\s*([\d.]+) MiB")
+_kv_said: list[float] = []   # MiB of the KV buffers of the context being created (iSWA: two)
+_KV_LINE = re.compile(r"KV buffer size =\s*([\d.]+) MiB")
 
 
 @L.llama_log_callback
@@ -66,10 +66,10 @@ def _log_callback(level, text, user_data):  # pragma: no cover - called from C
         m = _ROT_LINE.search(text.decode("ascii", errors="replace"))
         if m:
             _kv_rot_said[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-    elif b"buffer size =" in text:
-        m = _BUF_LINE.search(text.decode("ascii", errors="replace"))
+    elif b"KV buffer size =" in text:
+        m = _KV_LINE.search(text.decode("ascii", errors="replace"))
         if m:
-            _buffers_said.append((m.group(1), float(m.group(2))))
+            _kv_said.append(float(m.group(1)))
     if level == _GGML_LOG_ERROR or _llama_log.isEnabledFor(logging.INFO):
         msg = text.decode("utf-8", errors="replace").strip()
         if msg and level == _GGML_LOG_ERROR:
@@ -269,7 +269,7 @@ class Context:
                 cp.ctx_other = ctx_other.ptr
         _last_error.clear()
         _kv_rot_said.clear()
-        _buffers_said.clear()
+        _kv_said.clear()
         self._ptr = L.llama_init_from_model(model.ptr, cp)
         if not self._ptr:
             raise LlamaError(f"{model.path}: llama.cpp could not create a context "
@@ -279,10 +279,7 @@ class Context:
         # the largest power of two >= 64 dividing the head size, V in blocks of 64); 0 = not rotated
         rot_k, head_k = _kv_rot_said.get("k", (0, 0))
         self.kv_rot = (_k_rot_block(head_k) if rot_k else 0, 64 if _kv_rot_said.get("v", (0, 0))[0] else 0)
-        # MiB of its KV cache (allocated and cleared: resident), and of the compute and output buffers
-        # llama.cpp reserves for a worst-case batch (resident only as far as a batch touches them)
-        self.kv_mib = sum(v for k, v in _buffers_said if k == "KV")
-        self.buffers_mib = sum(v for k, v in _buffers_said if k != "KV")
+        self.kv_mib = sum(_kv_said)   # its KV cache, as llama.cpp said (allocated and cleared: resident)
         self.n_batch = params.n_batch
         self.n_ubatch = cp.n_ubatch
         self.n_vocab = model.n_vocab
