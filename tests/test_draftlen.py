@@ -61,6 +61,17 @@ def test_acceptance_follows_the_text():
 
 # ---- in the engine ---------------------------------------------------------------------------
 
+class FixedCost(PassCost):
+    """The prior's line t(r) = 1 + r / 4, whatever the passes took: the engine test below then
+    checks the lengths the engine picks, not this machine's timings (a 2-core CI runner's steeper
+    verify curve once kept the oracle's mean draft under 10)."""
+
+    __slots__ = ()
+
+    def record(self, rows: int, seconds: float) -> None:
+        pass
+
+
 @pytest.mark.slow
 def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(smollm_path):
     from pathlib import Path
@@ -75,6 +86,7 @@ def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(s
     code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:1200]
     greedy = SamplingParams(temp=0.0)
     with Engine(str(smollm_path), EngineParams(n_ctx=2048, n_threads=2)) as e:
+        e.pass_cost = FixedCost()
         prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:200])
 
         def run(spec, drafters=None):
