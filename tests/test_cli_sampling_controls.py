@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from specrun.cli.main import cli
+from specrun.cli.runtime.options import parse_logit_bias
 
 CHAT = r"<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
 MODEL = "smollm2-135m-instruct"
@@ -46,6 +47,15 @@ def test_bad_values_are_one_line_and_exit_1(args, words):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
     assert "Traceback" not in r.output and "root ::=" not in r.stderr.replace(words, "")
+
+
+@pytest.mark.parametrize("spec, pair", [
+    ("15043+1", (15043, 1.0)), ("15043-0.5", (15043, -0.5)), ("15043-inf", (15043, float("-inf"))),
+    ("15043--1", (15043, 1.0)), ("15043 + 1e2", (15043, 100.0)),   # llama.cpp: sign, then std::stof of the rest
+])
+def test_logit_bias_reads_as_llama_cpp(spec, pair):
+    """-l is llama.cpp's TOKEN_ID(+/-)BIAS (common/arg.cpp): a token id, never a text."""
+    assert parse_logit_bias(spec) == pair
 
 
 def test_two_grammars_are_a_usage_error():

@@ -105,8 +105,9 @@ def test_controls_keep_spec_equal_to_none(ngram_server, fields, shape, temp):
 
 
 def test_openai_controls_keep_spec_equal_to_none(ngram_server):
-    """OpenAI's fields: logit_bias (token-id keys, -100 bans), frequency/presence penalties, and
-    response_format json_object / json_schema on chat: equal with and without speculation."""
+    """OpenAI's fields: logit_bias (token-id keys; -100 is added to the logit, as llama-server does),
+    frequency/presence penalties, and response_format json_object / json_schema on chat: equal with
+    and without speculation."""
     c = ngram_server.client()
     prompt = "Repeat exactly:\n" + REPEAT
     free = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
@@ -129,6 +130,39 @@ def test_openai_controls_keep_spec_equal_to_none(ngram_server):
             assert isinstance(obj, dict)
             if rf["type"] == "json_schema":
                 assert set(obj) == {"animal"}
+
+
+def test_logit_bias_texts_and_false_as_llama_server(ngram_server):
+    """llama-server's logit_bias on every endpoint: a key that is not a whole number is a text whose
+    tokens all get the bias, `false` is never, and the object and [token, bias] pair forms are one;
+    the answer is the same without speculation. generation_settings shows the ids the text gave."""
+    prompt = "Repeat exactly:\n" + REPEAT
+    free = ngram_server.completion(prompt, 24)
+    t0, t1 = free["tokens"][:2]
+    one = ngram_server.completion(prompt, 1)["content"]            # the text of t0, e.g. "The"
+    two = ngram_server.completion(prompt, 2)["content"]            # of t0 t1, e.g. "The quick"
+    runs = {}
+    for name, bias in [("id", {str(t0): False}), ("text", {one: False}), ("pair", [[one, False]]),
+                       ("id-pair", [[t0, False]])]:
+        for spec in ({}, {"speculative": {"type": "none"}}):
+            r = ngram_server.completion(prompt, 24, logit_bias=bias, **spec)
+            runs[name, bool(spec)] = r["tokens"]
+            assert r["generation_settings"]["logit_bias"] == [[t0, False]], (name, r["generation_settings"])
+    assert len(set(map(tuple, runs.values()))) == 1
+    banned = runs["text", False]
+    assert t0 not in banned and banned != free["tokens"]
+    r = ngram_server.completion(prompt, 4, logit_bias=[[two, -1.5], [t1, 0.5]])
+    assert r["generation_settings"]["logit_bias"] == [[t0, -1.5], [t1, -1.5], [t1, 0.5]]
+    c = ngram_server.client()
+    a = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logit_bias={one: -100})
+    b = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logit_bias={str(t0): -100})
+    assert a.choices[0].text == b.choices[0].text != free["content"][:len(a.choices[0].text)]
+    msgs = [{"role": "user", "content": "Say hello."}]
+    hello = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0).choices[0].message
+    first = hello.content.split()[0]
+    ban = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                    logit_bias={first: False}).choices[0].message
+    assert not ban.content.startswith(first), (hello.content, ban.content)
 
 
 @pytest.fixture(scope="module")

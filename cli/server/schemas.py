@@ -13,6 +13,9 @@ UTF-16 surrogate (a JSON escape \\ud800 without its pair) is a 400 naming the fi
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -44,7 +47,6 @@ _NO_TOOLS = "it has no tool calling"
 _RESPONSE_FORMAT = ('{"type": "text"} (plain text), {"type": "json_object"} (any JSON object, or the one of '
                     'its "schema") or {"type": "json_schema", "json_schema": {"schema": {...}}}')
 RESPONSE_TYPES = ("text", "json_object", "json_schema")
-MAX_BIAS = 100.0   # OpenAI's logit_bias range: -100..100
 
 
 def _response_format(v: dict | None) -> dict | None:
@@ -61,12 +63,60 @@ def _response_format(v: dict | None) -> dict | None:
     return v
 
 
-def _token_id(key: str) -> int:
-    try:
-        return int(key)
-    except ValueError:
-        raise PydanticCustomError("invalid_value", f"logit_bias keys are token ids such as \"15043\", not text "
-                                  f"({key!r}); give the ids of the text's tokens (the model's tokenizer)") from None
+_ID_KEY = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+")   # what strtol(key, &end, 10) reads whole
+_BIAS_FORMS = ('{"15043": 1.5, " Hello": false} or [[15043, 1.5], [" Hello", false]] (a text\'s bias goes to '
+               'each of its tokens; false: never)')
+
+
+def _bias_value(where: str, v: Any) -> float:
+    """A logit_bias value: a finite number, or false (-inf: never), as llama-server's parse_bias."""
+    if v is False:
+        return float("-inf")
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        try:
+            if math.isfinite(float(v)):
+                return float(v)
+        except OverflowError:
+            pass
+    raise PydanticCustomError("invalid_value", f"logit_bias{where}: the bias {json.dumps(v)} is not a finite number "
+                              "or false (never)")
+
+
+def _bias_key(where: str, k: Any) -> int | str:
+    """A logit_bias token: an id, or a non-empty text (tokenized by the server)."""
+    if isinstance(k, str) and _ID_KEY.fullmatch(k):
+        return int(k)
+    if isinstance(k, int) and not isinstance(k, bool):
+        return k
+    if isinstance(k, str) and k:
+        return _unicode(k)
+    raise PydanticCustomError("invalid_value", f"logit_bias{where}: {json.dumps(k)} is not a token id or a non-empty "
+                              "text")
+
+
+def logit_bias_pairs(v: Any) -> tuple[tuple[int | str, float], ...]:
+    """llama-server's logit_bias (server-schema.cpp): an object whose keys are token ids ("15043",
+    read as strtol does) or texts, or an array of [token id or text, bias] pairs; a bias is a number
+    or false (-inf). Returns (token id or text, bias) pairs in order. What llama-server skips
+    silently (a malformed pair, a bias of true or null, a float id) is a PydanticCustomError here."""
+    if isinstance(v, dict):
+        items = [(f"[{json.dumps(k)}]", k, b) for k, b in v.items()]
+    elif isinstance(v, list):
+        items = []
+        for i, pair in enumerate(v):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise PydanticCustomError("invalid_value", f"logit_bias[{i}]: {json.dumps(pair)} is not a "
+                                          f"[token, bias] pair; give {_BIAS_FORMS}")
+            items.append((f"[{i}]", pair[0], pair[1]))
+    else:
+        raise PydanticCustomError("invalid_value", f"logit_bias must be an object or an array: {_BIAS_FORMS}")
+    return tuple((_bias_key(w, k), _bias_value(w, b)) for w, k, b in items)
+
+
+def _logit_bias(v: Any) -> Any:
+    if v is not None:
+        logit_bias_pairs(v)
+    return v
 
 
 class _Body(BaseModel):
@@ -102,8 +152,10 @@ class _Controls(_Body):
                                          "l > 0 becomes l / this, l <= 0 becomes l * this (1: off)")
     repeat_last_n: int | None = Field(None, ge=-1, description="llama.cpp extension: the tokens (prompt included) "
                                       "the penalties look at (0: off, -1: the context size)")
-    logit_bias: dict[str, float] | None = Field(None, description="token id (a string, e.g. \"15043\") -> bias "
-                                                "added to its logit, -100..100 (-100 bans the token)")
+    logit_bias: dict[str, float | bool] | list[list[int | str | float | bool]] | None = Field(
+        None, description="llama-server's: an object {\"15043\": 1.5, \" Hello\": false} or pairs [[15043, 1.5], "
+        "[\" Hello\", false]]; a key that is a whole number is a token id, any other text gives its bias to each of "
+        "its tokens; the bias is added to the logit (false: never, -inf)")
     ignore_eos: bool | None = Field(None, description="llama.cpp extension: never stop at end of generation")
     grammar: Text | None = Field(None, description="llama.cpp extension: a GBNF grammar the text follows")
     json_schema: dict[str, Any] | None = Field(None, description="llama.cpp extension: a JSON schema the text "
@@ -112,21 +164,11 @@ class _Controls(_Body):
 
     _response = field_validator("response_format")(_response_format)
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _openai_bias(cls, v):
-        for key, bias in (v or {}).items():
-            _token_id(key)
-            if not -MAX_BIAS <= bias <= MAX_BIAS:
-                raise PydanticCustomError("invalid_value", f"logit_bias[{key!r}] = {bias}: a bias is in "
-                                          f"-{MAX_BIAS:g}..{MAX_BIAS:g} (-100 bans the token)")
-        return v
+    _bias = field_validator("logit_bias", mode="before")(_logit_bias)
 
-    def bias_pairs(self) -> tuple[tuple[int, float], ...] | None:
-        """logit_bias as (token id, bias) pairs; -100 (OpenAI's ban) is -inf; None when left out."""
-        if self.logit_bias is None:
-            return None
-        return tuple((_token_id(k), float("-inf") if b <= -MAX_BIAS else float(b)) for k, b in self.logit_bias.items())
+    def bias_pairs(self) -> tuple[tuple[int | str, float], ...] | None:
+        """logit_bias as (token id or text, bias) pairs (false is -inf); None when left out."""
+        return None if self.logit_bias is None else logit_bias_pairs(self.logit_bias)
 
     def _grammars(self) -> list[tuple[str, str | dict]]:
         given: list[tuple[str, str | dict]] = []
@@ -264,8 +306,6 @@ class LlamaCompletionRequest(_Controls):
     cache_prompt: bool = Field(True, description="accepted for compatibility; the slot's KV cache is always reused")
     speculative: Speculative | None = None
     n_probs: int | None = Field(None, description=f"only 0: more is a 400 ({_NO_N_PROBS})")
-    logit_bias: dict[str, float | bool] | list[list[int | float | bool]] | None = Field(
-        None, description="llama-server's: {\"15043\": -1.5} or [[15043, -1.5]]; false bans the token")
 
     @field_validator("n_probs")
     @classmethod
@@ -273,29 +313,6 @@ class LlamaCompletionRequest(_Controls):
         if v:
             raise unsupported("n_probs", _NO_N_PROBS)
         return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _openai_bias(cls, v):   # replaces _Controls' check: llama-server's forms, no -100..100 bound
-        pairs = v.items() if isinstance(v, dict) else v or ()
-        for pair in pairs:
-            if not isinstance(v, dict) and (len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int)):
-                raise PydanticCustomError("invalid_value", f"logit_bias: {pair} is not a [token id, bias] pair")
-            key, bias = pair
-            if isinstance(key, str):
-                _token_id(key)
-            if bias is True:
-                raise PydanticCustomError("invalid_value", f"logit_bias[{key!r}]: a bias is a number, or false to "
-                                          "ban the token")
-        return v
-
-    def bias_pairs(self) -> tuple[tuple[int, float], ...] | None:
-        """logit_bias as (token id, bias) pairs; false is -inf (llama-server's ban)."""
-        if self.logit_bias is None:
-            return None
-        items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        return tuple((_token_id(k) if isinstance(k, str) else k, float("-inf") if b is False else float(b))
-                     for k, b in items)
 
 
 # ---- responses (documentation: handlers return plain JSON) -----------------------------------

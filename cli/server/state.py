@@ -93,11 +93,7 @@ class ServerState:
                                               "frequency_penalty", "ignore_eos") if getattr(req, k) is not None}
         bias = req.bias_pairs()
         if bias is not None:
-            bad = [t for t, _ in bias if not 0 <= t < self.model.n_vocab]
-            if bad:
-                raise ApiError(400, f"logit_bias: token id {bad[0]} is out of the vocabulary "
-                               f"(0..{self.model.n_vocab - 1})", "invalid_value")
-            given["logit_bias"] = bias
+            given["logit_bias"] = self.bias_tokens(bias)
         src = req.grammar_source()
         if src is not None:
             field, what = src
@@ -116,6 +112,25 @@ class ServerState:
         except SpecrunError as e:
             raise ApiError(400, str(e), "invalid_value") from None
         return s
+
+    def bias_tokens(self, pairs) -> tuple[tuple[int, float], ...]:
+        """(token id or text, bias) pairs -> (token id, bias): a text gives its bias to each of its
+        tokens, tokenized without BOS and without parsing special tokens, as llama-server's
+        common_tokenize(vocab, text, false). An id outside the vocabulary, or a text of no tokens,
+        is a 400 (llama-server skips both silently)."""
+        out: list[tuple[int, float]] = []
+        for key, b in pairs:
+            if isinstance(key, str):
+                toks = self.model.tokenize(key, add_special=False, parse_special=False)
+                if len(toks) == 0:
+                    raise ApiError(400, f"logit_bias: the text {key!r} has no tokens", "invalid_value")
+                out.extend((int(t), b) for t in toks)
+            elif not 0 <= key < self.model.n_vocab:
+                raise ApiError(400, f"logit_bias: token id {key} is out of the vocabulary "
+                               f"(0..{self.model.n_vocab - 1}); give an id in it, or a text", "invalid_value")
+            else:
+                out.append((key, b))
+        return tuple(out)
 
     def spec(self, sp: Speculative | None) -> SpecParams | None:
         if sp is None:
