@@ -99,6 +99,7 @@ def serve(host, port, parallel, max_queue, api_key, alias, drain_timeout, max_bo
     setup_logging(kw["verbose"])
     chat_template, chat_template_file = chat_template_choice(kw)
     params = engine_params(kw)
+    sampling = sampling_params(kw)   # a bad penalty, bias or grammar: one line before the port is bound
     if not kw["threads"]:   # the cores, shared between the slots
         params = replace(params, n_threads=max(1, (os.cpu_count() or 1) // parallel))
     with listen_socket(host, port) as sock:
@@ -109,7 +110,7 @@ def serve(host, port, parallel, max_queue, api_key, alias, drain_timeout, max_bo
         gate = Gate()
         server = _make_server(uvicorn.Config(gate, lifespan="off", timeout_graceful_shutdown=max(drain_timeout, 5.0),
                                         log_level="info" if kw["verbose"] else "warning", access_log=kw["verbose"]))
-        options = dict(parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias,
+        options = dict(parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias, sampling=sampling,
                        chat_template=chat_template, chat_template_file=chat_template_file,
                        drain_timeout=drain_timeout, max_body=max_body, body_timeout=body_timeout)
         loader = _Loader(kw, params, options, url, gate, server)
@@ -183,7 +184,7 @@ class _Loader(threading.Thread):
                     e.set_spec(params.spec)
             stem = os.path.splitext(os.path.basename(model.path))[0]
             config = ServerConfig(alias=opt["alias"] or (kw["model"] if kw["model"] in KNOWN_MODELS else stem),
-                                  sampling=sampling_params(kw), n_predict=kw["n_predict"], spec=params.spec,
+                                  sampling=opt["sampling"], n_predict=kw["n_predict"], spec=params.spec,
                                   spec_types=tuple(spec_types), max_queue=opt["max_queue"], api_key=opt["api_key"],
                                   chat_format=fmt, no_template_reason=reason, max_body=opt["max_body"],
                                   body_timeout=opt["body_timeout"], drain_timeout=opt["drain_timeout"])

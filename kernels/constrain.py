@@ -47,7 +47,8 @@ MAX_ABS = 1e6      # penalties and finite biases beyond this could overflow floa
 
 def check_controls(s: SamplingParams, names: dict[str, str] | None = None) -> None:
     """llama.cpp's checks of the controls (common_sampler_init: the penalties finite in float32,
-    the repeat penalty > 0 with a finite inverse), plus bounds that keep float32 logits finite.
+    the repeat penalty > 0 with a finite inverse; common/arg.cpp: --repeat-last-n >= 0), plus bounds
+    that keep float32 logits finite.
     SpecrunError naming the value and the fix; names: how to call each field (default: its name,
     e.g. the CLI passes {"repeat_penalty": "--repeat-penalty"}). Token ids are checked by Constraints."""
     def name(field: str) -> str:
@@ -61,9 +62,9 @@ def check_controls(s: SamplingParams, names: dict[str, str] | None = None) -> No
         v = getattr(s, field)
         if not (math.isfinite(v) and abs(v) <= MAX_ABS):
             raise SpecrunError(f"{name(field)} {v}: give a finite number (0.0: off; at most 1e6 either way)")
-    if s.repeat_last_n < -1:
-        raise SpecrunError(f"{name('repeat_last_n')} {s.repeat_last_n}: give the number of tokens the penalties "
-                           "look at (0: off, -1: the context size)")
+    if s.repeat_last_n < 0:    # llama.cpp 0.3.36 refuses it too: -1 no longer means the context size
+        raise SpecrunError(f"{name('repeat_last_n')} {s.repeat_last_n}: invalid repeat-last-n (llama.cpp refuses "
+                           "negative values too); give the last N tokens the penalties look at (0: off)")
     for tok, bias in s.logit_bias:
         if math.isnan(bias) or (bias != -math.inf and abs(bias) > MAX_ABS):
             raise SpecrunError(f"{name('logit_bias')} {bias} for token {tok}: give a finite number (at most 1e6 "
@@ -108,7 +109,7 @@ class Constraints:
         self.bias_vals = np.asarray(vals, dtype=np.float32)
         self.banned = np.zeros(n_vocab, dtype=bool)       # -inf bias: never emitted
         self.banned[self.bias_ids[self.bias_vals == -np.inf]] = True
-        self.last_n = (n_ctx if s.repeat_last_n == -1 else s.repeat_last_n) if s.penalized else 0
+        self.last_n = s.repeat_last_n if s.penalized else 0      # >= 0 (check_controls); n_ctx: unused
         self.history = np.asarray(prompt[-self.last_n:] if self.last_n else [], dtype=np.int64)
         # greedy reads the best token, sampling the top-k; without top-k the whole row
         self.need = 1 if s.greedy else s.top_k if 0 < s.top_k < n_vocab else n_vocab

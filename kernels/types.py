@@ -30,7 +30,7 @@ class SamplingParams:
     min_p: float = 0.05      # 0.0: off
     seed: int = LLAMA_DEFAULT_SEED
     repeat_penalty: float = 1.0        # 1.0: off
-    repeat_last_n: int = 64            # the penalties' window: last n tokens of prompt + output; 0: off, -1: n_ctx
+    repeat_last_n: int = 64            # the penalties' window: last n tokens of prompt + output; 0: off; >= 0
     presence_penalty: float = 0.0      # 0.0: off
     frequency_penalty: float = 0.0     # 0.0: off
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit); -inf bans it

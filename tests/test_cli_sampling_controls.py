@@ -39,6 +39,8 @@ def gen(*args: str):
     (["-l", "15+inf"], "a bias of +inf would leave nothing to sample"),
     (["--repeat-penalty", "0"], "--repeat-penalty 0.0: give a number greater than 0"),
     (["--frequency-penalty", "inf"], "--frequency-penalty inf: give a finite number"),
+    (["--repeat-last-n", "-1"], "--repeat-last-n -1: invalid repeat-last-n (llama.cpp refuses negative values too)"),
+    (["--repeat-last-n", "-5"], "--repeat-last-n -5: invalid repeat-last-n"),
 ])
 def test_bad_values_are_one_line_and_exit_1(args, words):
     r = invoke("-m", "/nonexistent/model.gguf", "-p", "x", *args)    # refused before the model is looked at
@@ -56,6 +58,17 @@ def test_bad_values_are_one_line_and_exit_1(args, words):
 def test_logit_bias_reads_as_llama_cpp(spec, pair):
     """-l is llama.cpp's TOKEN_ID(+/-)BIAS (common/arg.cpp): a token id, never a text."""
     assert parse_logit_bias(spec) == pair
+
+
+@pytest.mark.parametrize("cmd", ["chat", "serve"])
+def test_negative_repeat_last_n_is_refused_in_chat_and_serve(cmd):
+    """llama.cpp 0.3.36 refuses --repeat-last-n -1 (common/arg.cpp: "invalid repeat-last-n") in every
+    tool, with exit 1: so do chat and serve, before the model is looked at."""
+    r = invoke(cmd, "-m", "/nonexistent/model.gguf", "--repeat-last-n", "-1")
+    assert r.exit_code == 1, r.output
+    assert [x for x in r.stderr.splitlines() if x.strip()] == [
+        "Error: --repeat-last-n -1: invalid repeat-last-n (llama.cpp refuses negative values too); give the last N "
+        "tokens the penalties look at (0: off)"], r.stderr
 
 
 def test_two_grammars_are_a_usage_error():

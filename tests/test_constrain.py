@@ -60,7 +60,8 @@ def test_penalize_hand_worked(logits, window, repeat, freq, present, want):
 
 def test_penalties_read_the_last_n_tokens_prompt_included():
     """The window is the last repeat_last_n tokens of prompt + output (llama-server and llama-cli
-    accept the prompt into the sampler); 0 turns the penalties off, -1 means the context size."""
+    accept the prompt into the sampler); 0 turns the penalties off; -1 is refused, as llama.cpp
+    0.3.36 refuses it (common/arg.cpp --repeat-last-n, the server's repeat_last_n >= 0)."""
     x = np.zeros(8, dtype=np.float32) + 1.0
     prompt = np.array([1, 2, 3, 4, 5])
     s = SamplingParams(presence_penalty=1.0, repeat_last_n=3)
@@ -69,8 +70,8 @@ def test_penalties_read_the_last_n_tokens_prompt_included():
     c.accept([6])
     np.testing.assert_array_equal(c.row(x), [1, 1, 1, 1, 0, 0, 0, 1])                  # 4, 5, 6
     np.testing.assert_array_equal(c.row(x, prefix=np.array([0])), [0, 1, 1, 1, 1, 0, 0, 1])   # 5, 6, 0
-    whole = Constraints(StubModel(8), SamplingParams(presence_penalty=1.0, repeat_last_n=-1), 100, prompt)
-    np.testing.assert_array_equal(whole.row(x), [1, 0, 0, 0, 0, 0, 1, 1])
+    with pytest.raises(SpecrunError, match="repeat_last_n -1: invalid repeat-last-n"):
+        Constraints(StubModel(8), SamplingParams(presence_penalty=1.0, repeat_last_n=-1), 100, prompt)
     assert Constraints.of(StubModel(8), SamplingParams(presence_penalty=1.0, repeat_last_n=0), 100, prompt) is None
     assert Constraints.of(StubModel(8), SamplingParams(), 100, prompt) is None           # llama.cpp's defaults
 
@@ -89,6 +90,7 @@ def test_logit_bias_and_ignore_eos():
     (dict(repeat_penalty=1e-300), "repeat_penalty 1e-300"),        # 0 in float32: llama.cpp refuses it too
     (dict(frequency_penalty=float("inf")), "frequency_penalty inf: give a finite number"),
     (dict(presence_penalty=-1e9), "presence_penalty -1000000000.0"),
+    (dict(repeat_last_n=-1), "repeat_last_n -1: invalid repeat-last-n (llama.cpp refuses negative values too)"),
     (dict(repeat_last_n=-2), "repeat_last_n -2"),
     (dict(logit_bias=((3, float("nan")),)), "logit_bias nan for token 3"),
     (dict(logit_bias=((3, float("inf")),)), "logit_bias inf for token 3"),

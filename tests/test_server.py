@@ -424,6 +424,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "frequency_penalty": "0.5"}, 400, "invalid_value"),
     ("/completion", {"prompt": "x", "repeat_penalty": 0}, 400, "invalid_value"),
     ("/completion", {"prompt": "x", "repeat_last_n": -2}, 400, "invalid_value"),
+    ("/completion", {"prompt": "x", "repeat_last_n": -1}, 400, "invalid_value"),       # as llama-server 0.3.36
+    ("/v1/completions", {"prompt": "x", "repeat_last_n": -1}, 400, "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "repeat_last_n": -1}, 400,
+     "invalid_value"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"15": True}}, 400, "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": [[15]]}, 400,
@@ -483,6 +487,8 @@ def test_bad_input_messages_say_what_is_wrong(server):
     m = msg("/v1/chat/completions", {"messages": one, "response_format": {"type": "json_schema",
                                                                          "json_schema": {"schema": {"type": "foo"}}}})
     assert m.startswith("response_format: the response_format schema cannot be turned into a grammar"), m
+    assert msg("/completion", {"prompt": "x", "repeat_last_n": -1}) == (
+        "repeat_last_n: Input should be greater than or equal to 0")
     assert "out of the vocabulary (0..49151)" in msg("/v1/completions", {"prompt": "x", "logit_bias": {"50256": 5}})
     m = msg("/v1/chat/completions", {"messages": [*one, {"role": "tool", "content": "1"}]})
     assert m.startswith("messages.1.role: not supported") and "'tool' messages" in m

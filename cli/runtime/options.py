@@ -156,8 +156,8 @@ def sampling_options(f):
                   help="RNG seed (default, or -1: random; the seed used is printed)")
     @click.option("--repeat-penalty", "repeat_penalty", type=float, default=1.0, show_default=True,
                   help="penalize repeated tokens: a logit l > 0 becomes l / N, l <= 0 becomes l * N (1.0: off)")
-    @click.option("--repeat-last-n", "repeat_last_n", type=click.IntRange(-1), default=64, show_default=True,
-                  help="the last N tokens (prompt included) the penalties look at (0: off, -1: the context size)")
+    @click.option("--repeat-last-n", "repeat_last_n", type=int, default=64, show_default=True,
+                  help="the last N tokens (prompt included) the penalties look at (0: off)")
     @click.option("--presence-penalty", "presence_penalty", type=float, default=0.0, show_default=True,
                   help="subtract N from the logit of every token in the last --repeat-last-n (0.0: off)")
     @click.option("--frequency-penalty", "frequency_penalty", type=float, default=0.0, show_default=True,

@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 MAX_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed, as -1 is
+INT32_MAX = 2**31 - 1  # llama-server's bound on repeat_last_n
 
 
 def _unicode(s: str) -> str:
@@ -150,8 +151,9 @@ class _Controls(_Body):
                                            "last repeat_last_n (0: off)")
     repeat_penalty: float | None = Field(None, gt=0.0, description="llama.cpp extension: a repeated token's logit "
                                          "l > 0 becomes l / this, l <= 0 becomes l * this (1: off)")
-    repeat_last_n: int | None = Field(None, ge=-1, description="llama.cpp extension: the tokens (prompt included) "
-                                      "the penalties look at (0: off, -1: the context size)")
+    repeat_last_n: int | None = Field(None, ge=0, le=INT32_MAX, description="llama.cpp extension: the last tokens "
+                                      "(prompt included) the penalties look at (0: off; negative: a 400, as "
+                                      "llama-server)")
     logit_bias: dict[str, float | bool] | list[list[int | str | float | bool]] | None = Field(
         None, description="llama-server's: an object {\"15043\": 1.5, \" Hello\": false} or pairs [[15043, 1.5], "
         "[\" Hello\", false]]; a key that is a whole number is a token id, any other text gives its bias to each of "
