@@ -94,7 +94,13 @@ class Verdict:
 class TokenLogprob:
     """An emitted token's log-probability under the target (its raw logits at that position,
     temperature 1, before any sampling transform), and the n most likely tokens there, best first.
-    In exact mode these come from bit-identical logits rows, so they are the same with any spec type."""
+    In exact mode these come from bit-identical logits rows, so they are the same with any spec type.
+
+    These are llama-server's numbers without post_sampling_probs (its default: populate_token_probs
+    reads get_token_probabilities, the softmax of llama_get_logits_ith): the logit bias, penalties,
+    grammar, top-k/p, min-p and temperature do not change them. So under a grammar that allows one
+    token, `top` can hold tokens it forbids, and the emitted token's logprob is what the model alone
+    gives it (it may be far below top[0]); a token banned by a -inf bias keeps its raw logprob."""
 
     token: int
     logprob: float

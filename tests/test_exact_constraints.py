@@ -199,3 +199,39 @@ def test_a_bad_grammar_or_bias_is_refused_before_any_work(targets):
     # the engine still works afterwards
     got = [x for toks in e.generate(prompt, 2, SamplingParams(temp=0.0)) for x in toks]
     assert len(got) == 2 and np.all(np.asarray(got) >= 0)
+
+
+def test_logprobs_are_the_models_before_the_sampler_chain(smollm_path):
+    """The reported log-probabilities are llama-server's default ones (no post_sampling_probs): the
+    raw logits at temperature 1, before the logit bias, penalties and grammar. A grammar that allows
+    one text only: the first position's alternatives are the unconstrained ones, tokens the grammar
+    forbids among them, and the emitted token has its raw logprob; a token banned with -inf keeps
+    its place in the alternatives. The same numbers with speculation (the target drafting for itself)."""
+    forced = " zebra"
+    with Engine(str(smollm_path), EngineParams(n_ctx=1024)) as e:
+        draft = DraftModel(e.target, str(smollm_path))
+        try:
+            prompt = e.tokenize(chatml("Repeat exactly:\n" + REPEAT))
+
+            def run(s: SamplingParams, n: int = 16, drafters=None, k: int = 5):
+                gen = e.generate(prompt, n, s, spec=SpecParams(n_max=4, verify="match"), drafters=drafters,
+                                 logprobs=k)
+                return [x for toks in gen for x in toks], gen.logprobs
+
+            free, free_lp = run(SamplingParams(temp=0.0))
+            _, (whole,) = run(SamplingParams(temp=0.0), n=1, k=e.model.n_vocab)
+            raw = dict(whole.top)                                      # the first row: every token's logprob
+            for s in (SamplingParams(temp=0.0, grammar=f'root ::= "{forced}"'),
+                      SamplingParams(temp=0.8, seed=SEED, grammar=f'root ::= "{forced}"', repeat_penalty=1.3)):
+                got, lp = run(s)
+                assert e.model.is_eog(got[-1]) and e.model.detokenize(got[:-1]) == forced, got
+                assert [x.token for x in lp] == got
+                assert lp[0].top == free_lp[0].top                    # the unconstrained alternatives...
+                assert any(not forced.startswith(e.model.piece(i).decode()) for i, _ in lp[0].top)  # ...forbidden ones
+                assert lp[0].logprob == raw[got[0]] < lp[0].top[0][1]   # the emitted token: its raw logprob
+                assert run(s, drafters=[draft]) == (got, lp)          # spec == none, logprobs too
+            banned, lp = run(SamplingParams(temp=0.0, logit_bias=((free[0], NEG),)))
+            assert banned[0] != free[0] and lp[0].top == free_lp[0].top and lp[0].top[0][0] == free[0]
+            assert lp[0].logprob == raw[banned[0]]
+        finally:
+            draft.close()

@@ -420,6 +420,10 @@ BAD = [
                                             "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400,
      "unsupported_parameter"),
     ("/completion", {"prompt": "x", "n_probs": 5}, 400, "unsupported_parameter"),
+    ("/completion", {"prompt": "x", "logprobs": 5}, 400, "unsupported_parameter"),      # llama-server: n_probs
+    ("/completion", {"prompt": "x", "post_sampling_probs": True}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "post_sampling_probs": True}, 400, "unsupported_parameter"),
     # the logit controls: bad values are 400s naming the field and the fix
     ("/v1/completions", {"prompt": "x", "frequency_penalty": "0.5"}, 400, "invalid_value"),
     ("/completion", {"prompt": "x", "repeat_penalty": 0}, 400, "invalid_value"),

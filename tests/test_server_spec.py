@@ -165,6 +165,35 @@ def test_logit_bias_texts_and_false_as_llama_server(ngram_server):
     assert not ban.content.startswith(first), (hello.content, ban.content)
 
 
+def test_logprobs_are_before_the_sampler_chain_as_llama_server(ngram_server):
+    """llama-server's default log-probabilities (post_sampling_probs false: the raw logits at
+    temperature 1): a grammar, json_object or logit bias leaves them as they are. Under a grammar
+    that allows one text, the first position's alternatives are the unconstrained ones, with tokens
+    the grammar forbids; a banned token keeps its logprob. post_sampling_probs: true is a 400."""
+    c = ngram_server.client()
+    kw = dict(model=MODEL, prompt="Repeat exactly:\n" + REPEAT, max_tokens=4, temperature=0, logprobs=5)
+    free = c.completions.create(**kw).choices[0].logprobs
+    first = ngram_server.completion("Repeat exactly:\n" + REPEAT, 1)["tokens"][0]
+    for extra in ({"grammar": 'root ::= " zebra"'}, {"grammar": 'root ::= " zebra"', "speculative": {"type": "none"}},
+                  {"logit_bias": {str(first): False}, "post_sampling_probs": False}):
+        got = c.completions.create(**kw, extra_body=extra).choices[0].logprobs
+        assert got.tokens[0] != free.tokens[0]
+        assert got.top_logprobs[0] == free.top_logprobs[0], extra           # the unconstrained alternatives
+        assert free.tokens[0] in got.top_logprobs[0]                        # ... the banned / forbidden one too
+        assert got.token_logprobs[0] < free.token_logprobs[0] == max(got.top_logprobs[0].values())
+        if "grammar" in extra:
+            assert "".join(got.tokens) == " zebra"
+            assert any(not " zebra".startswith(t) for t in got.top_logprobs[0])
+    msgs = [{"role": "user", "content": "Name an animal."}]
+    ckw = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    plain = c.chat.completions.create(**ckw).choices[0].logprobs.content[0]
+    obj = c.chat.completions.create(**ckw, response_format={"type": "json_object"}).choices[0].logprobs.content[0]
+    assert obj.token.lstrip().startswith("{") and plain.token != obj.token
+    assert [(t.token, t.logprob) for t in obj.top_logprobs] == [(t.token, t.logprob) for t in plain.top_logprobs]
+    r = ngram_server.post("/v1/completions", {**kw, "post_sampling_probs": True})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("post_sampling_probs: not supported")
+
+
 @pytest.fixture(scope="module")
 def mtp_server(tmp_path_factory):
     from specrun.gguf_spec.testmodel import Head, SynthConfig

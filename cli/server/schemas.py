@@ -44,6 +44,11 @@ def unsupported(field: str, why: str) -> PydanticCustomError:
 
 _NO_STREAM_LOGPROBS = "log-probabilities come with the whole answer; ask without stream"
 _NO_N_PROBS = "ask POST /v1/completions with logprobs instead"
+_NO_POST_SAMPLING = ("log-probabilities are the model's own, before the sampler chain, as llama-server's default; "
+                     "probabilities after it are not implemented")
+_RAW_LOGPROBS = ("the model's raw logits at temperature 1, before the sampler chain, as llama-server reports them "
+                 "without post_sampling_probs: a logit bias, penalty or grammar does not change them, so a token "
+                 "they forbid can be among the likeliest; the same with any speculative setting")
 _NO_TOOLS = "it has no tool calling"
 _RESPONSE_FORMAT = ('{"type": "text"} (plain text), {"type": "json_object"} (any JSON object, or the one of '
                     'its "schema") or {"type": "json_schema", "json_schema": {"schema": {...}}}')
@@ -163,8 +168,16 @@ class _Controls(_Body):
     json_schema: dict[str, Any] | None = Field(None, description="llama.cpp extension: a JSON schema the text "
                                                "follows ({} : any JSON object)")
     response_format: dict[str, Any] | None = Field(None, description=_RESPONSE_FORMAT)
+    post_sampling_probs: bool | None = Field(None, description=f"llama-server's; only false ({_NO_POST_SAMPLING})")
 
     _response = field_validator("response_format")(_response_format)
+
+    @field_validator("post_sampling_probs")
+    @classmethod
+    def _no_post_sampling(cls, v):
+        if v:
+            raise unsupported("post_sampling_probs", _NO_POST_SAMPLING)
+        return v
 
     _bias = field_validator("logit_bias", mode="before")(_logit_bias)
 
@@ -218,8 +231,8 @@ class CompletionRequest(_Sampling):
     prompt: Text | list[Text] | list[int] = Field(description="text, a list of one text, or token ids")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's -n)")
     logprobs: int | None = Field(None, ge=0, le=20, description="the log-probability of each generated token "
-                                 "under the model (raw logits, the same with any speculative setting) and of the "
-                                 "`logprobs` most likely tokens at its position; not with stream")
+                                 f"and of the `logprobs` most likely tokens at its position ({_RAW_LOGPROBS}); "
+                                 "not with stream")
 
     @model_validator(mode="after")
     def _logprobs_not_streamed(self):
@@ -261,8 +274,8 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="the newer name of max_tokens")
-    logprobs: bool | None = Field(None, description="the log-probability of each generated token under the model "
-                                  "(raw logits, the same with any speculative setting); not with stream")
+    logprobs: bool | None = Field(None, description=f"the log-probability of each generated token ({_RAW_LOGPROBS}); "
+                                  "not with stream")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the most likely tokens at "
                                      "each position")
     tools: list[Any] | None = Field(None, description="not supported: a 400 unless empty")
@@ -308,12 +321,13 @@ class LlamaCompletionRequest(_Controls):
     cache_prompt: bool = Field(True, description="accepted for compatibility; the slot's KV cache is always reused")
     speculative: Speculative | None = None
     n_probs: int | None = Field(None, description=f"only 0: more is a 400 ({_NO_N_PROBS})")
+    logprobs: int | None = Field(None, description=f"llama-server's other name of n_probs: only 0 ({_NO_N_PROBS})")
 
-    @field_validator("n_probs")
+    @field_validator("n_probs", "logprobs")
     @classmethod
-    def _no_probs(cls, v):
+    def _no_probs(cls, v, info):
         if v:
-            raise unsupported("n_probs", _NO_N_PROBS)
+            raise unsupported(info.field_name, _NO_N_PROBS)
         return v
 
 
