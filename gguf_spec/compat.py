@@ -68,3 +68,66 @@ def require_draft_compatible(target: ModelSpec, draft: ModelSpec) -> None:
     c = check_draft_compatible(target, draft)
     if not c.ok:
         raise IncompatibleDraft(f"draft {draft.path.name} cannot draft for {target.path.name}: {c.reason}")
+
+
+# target architectures whose llama.cpp 0.3.36 graph marks the input of every layer for export
+# (src/models/*.cpp: res->t_layer_inp[il]); for any other, enabling an EAGLE-3 extract layer
+# GGML_ASSERTs ("layer input tensor is null") and aborts the process
+EAGLE3_TARGET_ARCHS = ("llama", "qwen3moe", "qwen3next", "qwen4exp", "lfm2", "gpt-oss", "muse-glimmer", "deepseek4")
+
+
+def eagle3_problem(draft: ModelSpec) -> str | None:
+    """Why `draft` is not an EAGLE-3 draft llama.cpp can run (checked before llama.cpp sees it:
+    several of these abort the process there), or None."""
+    if not draft.is_eagle3:
+        if draft.has_mtp:
+            return (f"it holds MTP heads (architecture {draft.architecture}), not an EAGLE-3 draft; "
+                    f"use --spec-type draft-mtp -md {draft.path.name}")
+        return (f"it is a {draft.architecture} model, not an EAGLE-3 draft (architecture eagle3); "
+                f"use --spec-type draft -md {draft.path.name}")
+    e = draft.eagle3
+    assert e is not None
+    if len(e.target_layers) != 3:
+        return (f"it lists {len(e.target_layers)} extract layers {list(e.target_layers)} in eagle3.target_layers; "
+                "llama.cpp's EAGLE-3 reads exactly 3")
+    if e.target_hidden_size is None:
+        return "it has no eagle3.target_hidden_size; convert it again with llama.cpp's convert_hf_to_gguf.py"
+    if e.n_layer != 1:
+        return f"it has {e.n_layer} decoder layers; llama.cpp's EAGLE-3 runs exactly 1"
+    if e.draft_vocab is not None and not e.own_output:
+        return f"its d2t maps {e.draft_vocab} draft tokens but it has no output head of its own"
+    return None
+
+
+def check_eagle3_compatible(target: ModelSpec, draft: ModelSpec) -> Compat:
+    """Can the EAGLE-3 draft `draft` read `target`'s layers? Its three extract layers must lie
+    below the target's n_layer, its target hidden size must be the target's n_embd, the target's
+    architecture must export layer inputs (EAGLE3_TARGET_ARCHS), and a draft that borrows the
+    target's token embeddings or head must be as wide as the target. Every failed rule is listed,
+    with both numbers."""
+    why = eagle3_problem(draft)
+    if why:
+        return Compat(False, why)
+    e = draft.eagle3
+    assert e is not None
+    n_layer, n_embd = target.n_layer_trunk, target.n_embd
+    problems = []
+    if target.architecture not in EAGLE3_TARGET_ARCHS:
+        problems.append(f"llama.cpp exports no layer inputs of a {target.architecture} target to an EAGLE-3 draft "
+                        f"(only {', '.join(EAGLE3_TARGET_ARCHS)})")
+    bad = [x for x in e.target_layers if n_layer is None or not 0 <= x < n_layer]
+    if bad:
+        problems.append(f"extract layers {list(e.target_layers)} do not fit the target's {n_layer} layers "
+                        f"(0..{(n_layer or 0) - 1}): the draft was made for a deeper model")
+    if e.target_hidden_size != n_embd:
+        problems.append(f"the draft reads target rows of width {e.target_hidden_size} but the target's n_embd is {n_embd}")
+    if (not e.own_token_embd or not e.own_output) and e.n_embd != n_embd:
+        problems.append(f"the draft's n_embd {e.n_embd} differs from the target's n_embd {n_embd}, and it borrows the "
+                        f"target's {'token embeddings' if not e.own_token_embd else 'output head'}")
+    if target.vocab is not None and draft.vocab is not None and target.vocab.size != draft.vocab.size:
+        problems.append(f"draft vocab ({draft.vocab.size} tokens) differs from target ({target.vocab.size})")
+    elif target.vocab is not None and e.d2t_max is not None and e.d2t_max >= target.vocab.size:
+        problems.append(f"d2t maps to token {e.d2t_max}, beyond the target's {target.vocab.size} tokens")
+    if problems:
+        return Compat(False, "; ".join(problems) + "; use the EAGLE-3 draft made for this model")
+    return Compat(True)

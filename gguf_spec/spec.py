@@ -66,6 +66,16 @@ _NEXTN_NAMES = tuple(TENSOR_NAMES[t] for t in MODEL_TENSOR if t.name.startswith(
 # mtp_only = n_layer_nextn > 0 && !get_weight("blk.0.attn_norm.weight"))
 TRUNK_PROBE = TENSOR_NAMES[MODEL_TENSOR.ATTN_NORM].format(bid=0) + ".weight"
 
+# EAGLE-3 drafts (architecture "eagle3"), as llama.cpp 0.3.36's gguf-py names them (constants.py:
+# Keys.LLM.TARGET_LAYERS ..., MODEL_TENSOR.FC / D2T); the pinned gguf 0.19.0 predates them
+EAGLE3_ARCH = "eagle3"
+KEY_TARGET_LAYERS = "{arch}.target_layers"
+KEY_TARGET_HIDDEN_SIZE = "{arch}.target_hidden_size"
+KEY_NORM_BEFORE_RESIDUAL = "{arch}.norm_before_residual"
+KEY_NORM_BEFORE_FC = "{arch}.norm_before_fc"
+TENSOR_FC = "fc.weight"
+TENSOR_D2T = "d2t"
+
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
@@ -115,6 +125,25 @@ class MTPBlock:
 
 
 @dataclass(frozen=True, slots=True)
+class Eagle3Info:
+    """What an EAGLE-3 draft (architecture eagle3, src/models/eagle3.cpp) reads from its target:
+    the inputs of three target layers (low, mid, high), each target_hidden_size wide, fused by fc.
+    draft_vocab: the rows of its own head when it maps them to target ids through d2t, else None
+    (it drafts over the target's vocabulary)."""
+
+    target_layers: tuple[int, ...]      # llama.cpp needs exactly 3
+    target_hidden_size: int | None
+    n_embd: int | None                  # the draft's own width (its decoder layer)
+    n_layer: int | None                 # decoder layers; llama.cpp runs exactly 1
+    draft_vocab: int | None             # d2t entries; None without d2t
+    d2t_max: int | None                 # the largest target id d2t maps to
+    own_token_embd: bool                # else the target's token_embd (needs n_embd == the target's)
+    own_output: bool                    # else the target's output head
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     path: Path
     architecture: str
@@ -132,6 +161,16 @@ class ModelSpec:
     nextn_predict_layers: int
     mtp_blocks: tuple[MTPBlock, ...]
     tensors: tuple[TensorInfo, ...] = field(repr=False)
+    eagle3: Eagle3Info | None = None            # set for an EAGLE-3 draft (architecture eagle3)
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.architecture == EAGLE3_ARCH
+
+    @property
+    def n_layer_trunk(self) -> int | None:
+        """llama.cpp's n_layer(): the blocks before the MTP blocks."""
+        return None if self.n_layer is None else self.n_layer - self.nextn_predict_layers
 
     @property
     def has_chat_template(self) -> bool:
@@ -459,6 +498,7 @@ def _spec(path: Path, r: BoundedReader) -> ModelSpec:
 
     blocks = [MTPBlock(i, tuple(t for t in tensors if t.name.startswith(f"blk.{i}.")))
               for i in mtp_block_range(n_layer or 0, nextn)]
+    n_embd = _value(r, Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), "int")
 
     return ModelSpec(
         path=path,
@@ -467,7 +507,7 @@ def _spec(path: Path, r: BoundedReader) -> ModelSpec:
         size_label=_value(r, Keys.General.SIZE_LABEL, "str"),
         file_type=_file_type(_value(r, Keys.General.FILE_TYPE, "int")),
         context_length=_value(r, Keys.LLM.CONTEXT_LENGTH.format(arch=arch), "int"),
-        n_embd=_value(r, Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), "int"),
+        n_embd=n_embd,
         n_layer=n_layer,
         n_head=_int_or_max(r, Keys.Attention.HEAD_COUNT.format(arch=arch)),
         n_head_kv=_int_or_max(r, Keys.Attention.HEAD_COUNT_KV.format(arch=arch)),
@@ -477,6 +517,29 @@ def _spec(path: Path, r: BoundedReader) -> ModelSpec:
         nextn_predict_layers=nextn,
         mtp_blocks=tuple(blocks),
         tensors=tensors,
+        eagle3=_eagle3(r, n_embd, n_layer) if arch == EAGLE3_ARCH else None,
+    )
+
+
+def _eagle3(r: BoundedReader, n_embd: int | None, n_layer: int | None) -> Eagle3Info:
+    a = EAGLE3_ARCH
+    layers = _value(r, KEY_TARGET_LAYERS.format(arch=a), "ints")
+    names = {t.name: t for t in r.tensors}
+    d2t = names.get(TENSOR_D2T)
+    d2t_max = None
+    if d2t is not None and d2t.tensor_type == GGMLQuantizationType.I64 and d2t.n_elements:
+        d2t_max = int(np.asarray(d2t.data).max())
+    return Eagle3Info(
+        target_layers=tuple(int(x) for x in layers) if layers is not None else (),
+        target_hidden_size=_value(r, KEY_TARGET_HIDDEN_SIZE.format(arch=a), "int"),
+        n_embd=n_embd,
+        n_layer=n_layer,
+        draft_vocab=None if d2t is None else int(d2t.n_elements),
+        d2t_max=d2t_max,
+        own_token_embd=TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight" in names,
+        own_output=TENSOR_NAMES[MODEL_TENSOR.OUTPUT] + ".weight" in names,
+        norm_before_fc=bool(_value(r, KEY_NORM_BEFORE_FC.format(arch=a), "bool")),
+        norm_before_residual=bool(_value(r, KEY_NORM_BEFORE_RESIDUAL.format(arch=a), "bool")),
     )
 
 

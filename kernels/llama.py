@@ -102,6 +102,38 @@ def _ensure_backend(exact: bool) -> None:
             _backend_ready = True
 
 
+# ---- llama-ext.h functions that llama_cpp_ext does not bind ------------------------------------
+# libllama.so exports them as C++ symbols (Itanium-mangled, as llama_cpp_ext binds the nextn ones).
+
+_FLOAT_P = ctypes.POINTER(ctypes.c_float)
+_EXT = {  # name: (mangled symbol, argtypes, restype)
+    "llama_set_embeddings_layer_inp": ("_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+                                       [L.llama_context_p_ctypes, ctypes.c_uint32, ctypes.c_bool], None),
+    "llama_get_embeddings_layer_inp": ("_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+                                       [L.llama_context_p_ctypes, ctypes.c_uint32], _FLOAT_P),
+    "llama_model_target_layer_ids": ("_Z28llama_model_target_layer_idsPK11llama_model",
+                                     [L.llama_model_p_ctypes], ctypes.POINTER(ctypes.c_int32)),
+    "llama_model_target_layer_ids_n": ("_Z30llama_model_target_layer_ids_nPK11llama_model",
+                                       [L.llama_model_p_ctypes], ctypes.c_uint32),
+}
+_ext_fns: dict = {}
+
+
+def _ext(name: str):
+    """The bound llama-ext.h function `name` (bound on first use)."""
+    f = _ext_fns.get(name)
+    if f is None:
+        symbol, argtypes, restype = _EXT[name]
+        try:
+            f = getattr(L.llama_cpp._lib, symbol)
+        except AttributeError:
+            raise LlamaError(f"this libllama has no {name} (symbol {symbol}); specrun needs llama-cpp-python "
+                             "0.3.36's build") from None
+        f.argtypes, f.restype = argtypes, restype
+        _ext_fns[name] = f
+    return f
+
+
 # ---- model -----------------------------------------------------------------------------------
 
 
@@ -134,6 +166,8 @@ class Model:
         self.n_embd_out = int(L.llama_model_n_embd_out(self._ptr))
         self.n_ctx_train = int(L.llama_model_n_ctx_train(self._ptr))
         self.n_layer_nextn = int(L.llama_model_n_layer_nextn(self._ptr))
+        self.n_layer = int(L.llama_model_n_layer(self._ptr))      # trunk layers (llama.cpp's n_layer())
+        self.arch = self.meta("general.architecture") or ""
         self.recurrent = bool(L.llama_model_is_recurrent(self._ptr) or L.llama_model_is_hybrid(self._ptr))
         self.bos = int(L.llama_vocab_bos(self.vocab))
         self.eos = int(L.llama_vocab_eos(self.vocab))
@@ -159,6 +193,19 @@ class Model:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value as llama.cpp renders it (llama_model_meta_val_str), or None when absent."""
+        buf = ctypes.create_string_buffer(256)
+        n = L.llama_model_meta_val_str(self.ptr, key.encode(), buf, 256)
+        return None if n < 0 else buf.value.decode("utf-8", errors="replace")
+
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """An EAGLE-3 draft's extract layers (eagle3.target_layers): the target layers whose inputs
+        it reads, low / mid / high; () for any other model."""
+        n = int(_ext("llama_model_target_layer_ids_n")(self.ptr))
+        p = _ext("llama_model_target_layer_ids")(self.ptr) if n else None
+        return tuple(int(p[i]) for i in range(n)) if p else ()
 
     # -- tokenizer --
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
@@ -265,8 +312,8 @@ class Context:
                                  "see `specrun inspect` for what the file holds")
             cp.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
             cp.n_rs_seq = 0
-            if ctx_other is not None:
-                cp.ctx_other = ctx_other.ptr
+        if ctx_other is not None:   # MTP heads and EAGLE-3 drafts read the target's context and weights
+            cp.ctx_other = ctx_other.ptr
         _last_error.clear()
         _kv_rot_said.clear()
         _kv_said.clear()
@@ -299,6 +346,7 @@ class Context:
         self.n_outputs = 0
         self.n_rows = 0
         self._bext = None  # extended batch (MTP rows carrying hidden states), made on first use
+        self.layer_inp: tuple[int, ...] = ()   # layers whose inputs every decode exports (EAGLE-3)
 
     @property
     def ptr(self):
@@ -380,6 +428,71 @@ class Context:
             raise LlamaError(f"llama_get_embeddings_nextn_ith({i}) returned NULL")
         return np.ctypeslib.as_array(p, shape=(self.model.n_embd_out,))
 
+    def export_layer_inputs(self, layers) -> None:
+        """From the next decode on, export the input of each of these layers (the residual stream
+        entering it, n_embd wide) for every token, as an EAGLE-3 draft reads its target
+        (llama_set_embeddings_layer_inp). requires: the architecture's graph marks layer inputs
+        (gguf_spec.compat.EAGLE3_TARGET_ARCHS; llama.cpp aborts otherwise). A layer outside
+        0..n_layer-1 is refused here (llama.cpp aborts on it)."""
+        layers = tuple(int(x) for x in layers)
+        bad = [x for x in layers if not 0 <= x < self.model.n_layer]
+        if bad:
+            raise LlamaError(f"layer {bad[0]} is not a layer of {self.model.path} (n_layer {self.model.n_layer})")
+        for x in layers:
+            _ext("llama_set_embeddings_layer_inp")(self.ptr, x, True)
+        self.layer_inp = tuple(dict.fromkeys(self.layer_inp + layers))
+
+    def layer_rows(self, layers) -> np.ndarray:
+        """float32 [n_rows, len(layers) * n_embd]: the exported inputs of these layers (see
+        export_layer_inputs) for every token of the last decode, concatenated per token in the
+        given order (EAGLE-3's low | mid | high). A copy."""
+        E = self.model.n_embd
+        out = np.empty((self.n_rows, len(layers) * E), dtype=np.float32)
+        for k, x in enumerate(layers):
+            if x not in self.layer_inp:
+                raise LlamaError(f"layer {x}'s inputs are not exported by this context")
+            p = _ext("llama_get_embeddings_layer_inp")(self.ptr, x)
+            if not p:
+                raise LlamaError(f"llama_get_embeddings_layer_inp({x}) returned NULL")
+            out[:, k * E:(k + 1) * E] = np.ctypeslib.as_array(p, shape=(self.n_rows, E))
+        return out
+
+    def encode_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Run the model's encoder graph (an EAGLE-3 draft: fc over the fused target features) on
+        float32 [n, n_in] input rows, in chunks of n_ubatch; returns float32 [n, n_embd_out] (its
+        t_h_nextn rows; the context needs nextn set). The encoder reads and writes no KV cache."""
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        n, width = rows.shape
+        out = np.empty((n, self.model.n_embd_out), dtype=np.float32)
+        be = self._batch_ext()
+        base = rows.ctypes.data
+        pos0 = self.pos_max() + 1     # placeholders the batch check accepts (the encoder reads none)
+        for s in range(0, n, self.n_ubatch):
+            m = min(self.n_ubatch, n - s)
+            L.llama_batch_ext_clear(be)
+            for j in range(m):
+                row = ctypes.cast(base + 4 * width * (s + j), _FLOAT_P)
+                idx = L.llama_batch_ext_add_embd(be, 0, L.llama_embd(row, 1, width))
+                if idx < 0:
+                    raise LlamaError(f"llama_batch_ext_add_embd failed at row {s + j} ({idx})")
+                L.llama_batch_ext_set_pos(be, idx, (L.llama_pos * 4)(pos0 + j, 0, 0, 0))
+                L.llama_batch_ext_set_output_logits(be, idx, True)
+            rc = L.llama_process(self.ptr, L.LLAMA_PROCESS_TYPE_ENCODE, be)
+            if rc != 0:
+                raise LlamaError(f"llama_process (encode) returned {rc} for {m} rows of width {width}{_reason()}")
+            p = X.llama_get_embeddings_nextn(self.ptr)
+            if not p:
+                raise LlamaError("the encoder exported no rows (llama_get_embeddings_nextn returned NULL)")
+            out[s:s + m] = np.ctypeslib.as_array(p, shape=(m, self.model.n_embd_out))
+        return out
+
+    def _batch_ext(self):
+        if self._bext is None:
+            self._bext = L.llama_batch_ext_init(self.ptr)
+            if not self._bext:
+                raise LlamaError("llama_batch_ext_init returned NULL")
+        return self._bext
+
     def decode_chunks(self, tokens, pos0: int, on_chunk=None, *, chunk: int | None = None) -> bool:
         """Evaluate tokens of any length in chunks (of `chunk` tokens, at most n_batch) at positions
         pos0..; logits for the last token only (logits_rows()[-1] afterwards). on_chunk(chunk,
@@ -441,7 +554,9 @@ class Context:
         """An MTP context's input: row j = (token x_j, position pos0+j, hidden row h_j), where
         h_j is the target's hidden row of the position before (float32 [n, n_embd_out]).
         The MTP graph concatenates norm(embed(x_j)) with norm(h_j). Output (logits and the MTP's
-        own hidden row) as decode(): logits = "all", "last" or "none"."""
+        own hidden row) as decode(): logits = "all", "last" or "none". An EAGLE-3 draft's decoder
+        takes the same rows: (x_{p+1}, g_p) at position p, g its fused target features or its own
+        pre-norm state."""
         n = len(tokens)
         if n == 0:
             return
@@ -450,11 +565,7 @@ class Context:
         hidden = np.ascontiguousarray(hidden, dtype=np.float32)
         if hidden.shape != (n, self.model.n_embd_out):
             raise LlamaError(f"hidden rows {hidden.shape} do not match ({n}, {self.model.n_embd_out})")
-        if self._bext is None:
-            self._bext = L.llama_batch_ext_init(self.ptr)
-            if not self._bext:
-                raise LlamaError("llama_batch_ext_init returned NULL")
-        be = self._bext
+        be = self._batch_ext()
         L.llama_batch_ext_clear(be)
         E = self.model.n_embd_out
         base = hidden.ctypes.data
