@@ -54,7 +54,7 @@ from .types import SamplingParams
 log = logging.getLogger(__name__)
 
 VERIFY_ROWS = (1, 2, 4, 8, 16)
-PER_TOKEN_DRAFTERS = ("draft-mtp", "draft-simple")   # a decode per drafted token; n-grams: one lookup
+PER_TOKEN_DRAFTERS = ("draft-mtp", "draft-simple", "draft-eagle3")   # a decode per drafted token; n-grams: one lookup
 MARGIN = 0.10            # choose a speculative setting only when predicted > 1 + MARGIN
 GREEDY = SamplingParams(temp=0.0)
 

@@ -111,8 +111,9 @@ class Engine:
         """model: an already loaded Model to share (server slots); the engine then does not close it."""
         self.params = params = params or EngineParams()
         spec = params.spec
-        # draft-mtp reads the heads of the main GGUF, or of -md HEADS.gguf when no draft model uses -md
-        self._heads_path = params.draft_model if params.draft_model and "draft-simple" not in spec.types else None
+        # draft-mtp reads the heads of the main GGUF, or of -md HEADS.gguf when no draft model / EAGLE-3 uses -md
+        self._heads_path = (params.draft_model if params.draft_model and "draft-simple" not in spec.types
+                            and "draft-eagle3" not in spec.types else None)
         needs_mtp = "draft-mtp" in spec.types and self._heads_path is None
         self._own_model = model is None
         self.model = model if model is not None else Model(model_path, exact=params.exact, load_mtp=needs_mtp)
@@ -139,6 +140,7 @@ class Engine:
             # handed over to the exact context; not for MTP (hidden rows) nor recurrent memory
             self.fast = (FastPrefill(self.model, self.n_ctx, params.n_threads, self.ctx.kv_rot)
                          if params.exact and params.fast_prefill and not self.mtp_enabled
+                         and "draft-eagle3" not in spec.types   # EAGLE-3 reads every position's rows too
                          and not self.model.recurrent else None)
             self._restored = 0   # fast_len of the state the exact context was loaded from; 0: none
             self.pass_cost = PassCost()   # t(rows) of this engine's target passes (adaptive draft length)
@@ -155,6 +157,9 @@ class Engine:
         if "draft-mtp" in spec.types and not self.mtp_enabled:
             raise SpecrunError("draft-mtp was not enabled when the model was loaded; restart with "
                                "--spec-type draft-mtp")
+        if "draft-eagle3" in spec.types and self.fast is not None:
+            raise SpecrunError("draft-eagle3 was not enabled when the model was loaded (the fast prompt path "
+                               "keeps no target rows); restart with --spec-type draft-eagle3")
         out = []
         for t in spec.types:
             key = drafter_key(t, spec)
@@ -371,9 +376,11 @@ class Engine:
         return verdict
 
     def _target_pass(self, tokens: np.ndarray, pos0: int, n_keep: int) -> TargetPass:
-        """The last target decode, with its hidden rows when the context exports them (MTP)."""
+        """The last target decode, with the rows the context exports: hidden (MTP), the extract
+        layers' inputs (EAGLE-3)."""
         hidden = self.ctx.nextn_rows() if self.ctx.params.nextn else None
-        return TargetPass(tokens, pos0, n_keep, hidden)
+        features = self.ctx.layer_rows(self.ctx.layer_inp) if self.ctx.layer_inp else None
+        return TargetPass(tokens, pos0, n_keep, hidden, features)
 
     def _prefill(self, prompt: np.ndarray, drafters: list[Drafter], opts: DraftOptions, st: GenStats,
                  cancel: Callable[[], bool]) -> np.ndarray | None:

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from specrun.gguf_spec.errors import SpecrunError
 
-SPEC_TYPES = ("none", "draft-simple", "draft-mtp", "ngram-simple")
+SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "ngram-simple")
 SPEC_ALIASES = {"draft": "draft-simple"}
-_ORDER = {"ngram-simple": 0, "draft-simple": 1, "draft-mtp": 2}  # llama.cpp: n-grams first
+_ORDER = {"ngram-simple": 0, "draft-simple": 1, "draft-eagle3": 2, "draft-mtp": 3}  # llama.cpp: n-grams first
 
 
 def parse_spec_types(text: str) -> tuple[str, ...]:
@@ -52,5 +52,5 @@ class EngineParams:
     fast_prefill: bool = True          # exact mode: long prompts' whole 512-token blocks through an F16-KV
                                        # context, handed over (kernels/prefill.py); False saves its KV memory
     spec: SpecParams = field(default_factory=SpecParams)
-    draft_model: str | None = None     # -md: a draft GGUF (draft-simple) or MTP heads (draft-mtp)
+    draft_model: str | None = None     # -md: a draft GGUF (draft-simple), EAGLE-3 (draft-eagle3) or MTP heads (draft-mtp)
     exact_caveat: str | None = None    # why exact mode may not be bit-exact for these weights (stats line)

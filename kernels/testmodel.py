@@ -1,13 +1,21 @@
 """Synthetic qwen35 + MTP test models in any quant: f32/f16 straight from the writer
-(gguf_spec.testmodel), q8_0/q4_k_m through llama.cpp's quantizer (kernels.quantize)."""
+(gguf_spec.testmodel), q8_0/q4_k_m through llama.cpp's quantizer (kernels.quantize). And synthetic
+llama targets with an EAGLE-3 draft (gguf_spec.testmodel_eagle3), with a greedy check that runs
+them through the engine."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from specrun.gguf_spec.testmodel import SynthConfig, write_test_model
+from specrun.gguf_spec.testmodel_eagle3 import DTYPES as EAGLE3_DTYPES
+from specrun.gguf_spec.testmodel_eagle3 import Eagle3Config, write_eagle3_pair
 
+from .engine import Engine
+from .params import EngineParams, SpecParams
 from .quantize import ProgressFn, QuantizeError, quantize
+from .types import SamplingParams
 
 TEST_MODEL_QUANTS = ("f32", "f16", "q8_0", "q4_k_m")
 
@@ -33,3 +41,44 @@ def build_test_model(path: str | Path, cfg: SynthConfig, quant: str = "f16", *, 
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+# ---- EAGLE-3 ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Eagle3Check:
+    """Greedy draft-eagle3 on a synthetic pair, run by the engine (llama.cpp computes every number)."""
+
+    n_drafted: int
+    n_accepted: int
+    equal: bool          # output == --spec-type none, token for token
+    n_max: int
+
+    @property
+    def rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+
+def build_eagle3_test_models(target: str | Path, draft: str | Path, cfg: Eagle3Config,
+                             quant: str = "q8_0") -> tuple[Path, Path]:
+    """Write a synthetic llama target and its EAGLE-3 draft (gguf_spec.testmodel_eagle3) in quant
+    (f32 / f16 / q8_0, written directly)."""
+    quant = quant.strip().lower()
+    if quant not in EAGLE3_DTYPES:
+        raise QuantizeError(f"the EAGLE-3 test models are written as {', '.join(EAGLE3_DTYPES)}, not '{quant}'")
+    return write_eagle3_pair(target, draft, cfg, quant)
+
+
+def check_eagle3(target: str | Path, draft: str | Path, *, n_max: int = 3, n_predict: int = 64,
+                 n_threads: int = 1) -> Eagle3Check:
+    """Generate greedily with and without the draft (exact mode) and count what the target kept."""
+    spec = SpecParams(types=("draft-eagle3",), n_max=n_max, verify="match")
+    greedy = SamplingParams(temp=0.0)
+    with Engine(str(target), EngineParams(n_ctx=1024, n_threads=n_threads, draft_model=str(draft),
+                                          spec=spec)) as e:
+        prompt = e.tokenize("The quick brown fox jumps over the lazy dog.")
+        plain = [t for ts in e.generate(prompt, n_predict, greedy, spec=SpecParams()) for t in ts]
+        gen = e.generate(prompt, n_predict, greedy, spec=spec)
+        got = [t for ts in gen for t in ts]
+    return Eagle3Check(gen.stats.n_drafted, gen.stats.n_accepted, got == plain, n_max)

@@ -125,12 +125,15 @@ class TargetPass:
     """One target decode: tokens int32 [n] at positions pos0..pos0+n-1, of which the first n_keep
     stay in the target's KV cache (a prompt chunk keeps all; a verify pass [id_last, d1..dk] keeps
     n_accepted + 1). hidden: float32 [n, n_embd_out], the target's final-norm rows that MTP heads
-    read, or None when no drafter needs them. Arrays are views, valid until the next decode."""
+    read, or None when no drafter needs them. features: float32 [n, 3 * n_embd], the inputs of an
+    EAGLE-3 draft's three extract layers (low | mid | high) per token, or None. Arrays are views
+    or copies valid until the next decode."""
 
     tokens: np.ndarray
     pos0: int
     n_keep: int
     hidden: np.ndarray | None = None
+    features: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +168,7 @@ class Drafter(Protocol):
     """
 
     spec_type: ClassVar[str]      # exactly the --spec-type string
-    needs_hidden: ClassVar[bool]  # whether accept() needs TargetPass.hidden
+    needs_hidden: ClassVar[bool]  # whether accept() needs the target's rows (TargetPass.hidden / .features)
 
     def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int: ...
 

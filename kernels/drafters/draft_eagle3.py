@@ -1,0 +1,137 @@
+"""`draft-eagle3`: an EAGLE-3 draft (-md EAGLE3.gguf, architecture eagle3) reading three of the
+target's layers.
+
+Sequence as llama.cpp's common_speculative_impl_draft_eagle3 (common/speculative.cpp):
+  * The draft's constructor turns on the export of the inputs of the target's three extract layers
+    (low, mid, high); every target pass, prompt chunks and verify passes alike, hands them over
+    as TargetPass.features, float32 [n, 3 * n_embd_target].
+  * Its encoder (fc, and an RMS norm first when norm_before_fc) fuses a position's features into
+    g_p, n_embd_draft wide.
+  * Its decoder row at position p is (x_{p+1}, g_p): the next token with the features of p. So the
+    last position the target evaluated has no row until the token after it is known; propose()
+    writes it (the "deferred boundary" of llama.cpp) with id_last and the g of n_past - 1.
+  * Its output at position p predicts x_{p+2}; the row's pre-norm state (t_h_nextn) is the g of the
+    next draft row (d_i, p + i). Its logits are the target's vocabulary wide: a draft whose head
+    covers fewer tokens maps them through d2t inside llama.cpp's graph (the rest are -inf).
+  * accept(): the rows the target keeps get their g from the encoder and their decoder rows
+    (llama.cpp encodes the whole verify batch and drops the rejected rows; encoding only the kept
+    ones is equivalent). propose() drops its draft rows again.
+Like draft-mtp it needs the target's rows of every prompt position, so an engine with draft-eagle3
+never takes the fast prompt path (kernels/prefill.py), whose handed-over KV state comes without them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import numpy as np
+
+from specrun.gguf_spec.compat import check_eagle3_compatible
+from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
+from specrun.gguf_spec.spec import load_spec
+
+from ..llama import Context, ContextParams, Model
+from ..types import Draft, DraftOptions, TargetPass, common_prefix
+from .base import TargetView, draft_token
+
+log = logging.getLogger(__name__)
+
+
+class DraftEagle3:
+    spec_type: ClassVar[str] = "draft-eagle3"
+    needs_hidden: ClassVar[bool] = True
+
+    def __init__(self, target: TargetView, path: str) -> None:
+        """path: the EAGLE-3 GGUF. Checked against the target's file first (llama.cpp aborts the
+        process on an extract layer beyond the target's layers and on several other mismatches)."""
+        compat = check_eagle3_compatible(load_spec(target.model.path), load_spec(path))
+        if not compat.ok:
+            raise IncompatibleDraft(f"EAGLE-3 draft {path} cannot draft for {target.model.path}: {compat.reason}")
+        self.model = Model(path, exact=target.exact)
+        try:
+            self.layers = self.model.target_layer_ids()           # low, mid, high
+            if len(self.layers) != 3 or self.model.n_vocab != target.model.n_vocab:
+                raise SpecrunError(f"{path}: llama.cpp reads {len(self.layers)} extract layers and a vocab of "
+                                   f"{self.model.n_vocab} from it; an EAGLE-3 draft for {target.model.path} needs 3 "
+                                   f"and {target.model.n_vocab}")
+            self.ctx = Context(self.model, ContextParams(n_ctx=target.n_ctx, n_batch=target.n_batch,
+                                                         n_threads=target.n_threads, nextn="outputs"),
+                               ctx_other=target.ctx)
+        except BaseException:
+            self.model.close()
+            raise
+        target.ctx.export_layer_inputs(self.layers)
+        self.E = self.model.n_embd_out
+        self.G = np.zeros((min(target.n_ctx, 1024), self.E), dtype=np.float32)  # [>= n_ctx seen, E]: G[p] = g_p
+        self.toks: list[int] = []     # the target's tokens at positions 0..len-1, each with its g in G
+        self.rows: list[int] = []     # the draft KV: row p holds (rows[p] = x_{p+1}, G[p]) at position p
+        self.opts = DraftOptions()
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+    def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
+        """The target may reuse only the positions whose features the draft has seen."""
+        self.opts = opts
+        return min(n_keep, common_prefix(self.toks, prompt))
+
+    def accept(self, tp: TargetPass) -> None:
+        """The target decoded tp.tokens at tp.pos0.. and keeps the first tp.n_keep rows."""
+        p0, n_keep = tp.pos0, tp.n_keep
+        if p0 > len(self.toks) or tp.features is None:
+            # positions whose target rows the draft never saw: its KV cannot be completed, so
+            # drafting stays off until a prompt is evaluated again from where it lost track
+            log.info("draft-eagle3: positions %d.. without target features; drafting paused", len(self.toks))
+            del self.toks[min(p0, len(self.toks)):]
+            return
+        del self.toks[p0:]
+        if p0 + n_keep > len(self.G):
+            self.G = np.resize(self.G, (max(2 * len(self.G), p0 + n_keep), self.E))
+        self.G[p0:p0 + n_keep] = self.ctx.encode_rows(tp.features[:n_keep])
+        self.toks.extend(int(t) for t in tp.tokens[:n_keep])
+        self._write_rows(p0)
+
+    def _write_rows(self, p_new: int) -> None:
+        """Bring the draft KV to rows 0..len(toks)-2; the g of positions >= p_new are new."""
+        want = len(self.toks) - 1
+        keep = min(common_prefix(self.rows, self.toks[1:]), p_new, want)
+        if len(self.rows) > keep:
+            if not self.ctx.seq_rm(keep, -1):
+                raise SpecrunError(f"EAGLE-3 context could not roll back to {keep} tokens")
+            del self.rows[keep:]
+        nxt = np.asarray(self.toks[keep + 1:], dtype=np.int32)
+        for s in range(0, len(nxt), self.ctx.n_batch):
+            n = min(self.ctx.n_batch, len(nxt) - s)
+            self.ctx.decode_with_hidden(nxt[s:s + n], keep + s, self.G[keep + s:keep + s + n], logits="none")
+        self.rows.extend(int(t) for t in nxt)
+
+    def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
+        n_past = len(ctx) - 1                    # position of id_last
+        if n_max <= 0 or n_past < 1 or len(self.toks) != n_past or n_past + n_max >= self.ctx.n_ctx:
+            return Draft.empty()
+        if len(self.rows) >= n_past:             # a boundary row from an earlier propose()
+            if not self.ctx.seq_rm(n_past - 1, -1):
+                raise SpecrunError(f"EAGLE-3 context could not roll back to {n_past - 1} tokens")
+            del self.rows[n_past - 1:]
+        if len(self.rows) != n_past - 1:
+            return Draft.empty()
+        tok = int(ctx[-1])
+        g = self.G[n_past - 1: n_past]           # g_{n_past - 1}: [1, E]
+        toks: list[int] = []
+        qs: list[np.ndarray] = []
+        for i in range(n_max):
+            self.ctx.decode_with_hidden([tok], n_past - 1 + i, g, logits="last")
+            if i == 0:
+                self.rows.append(tok)            # the boundary row (id_last, g_{n_past-1}) stays
+            tok, q = draft_token(self.ctx.logits_rows()[0], self.opts.sampling, self.opts.p_min, n_past + 1 + i)
+            if tok is None:
+                break
+            if q is not None:
+                qs.append(q)
+            toks.append(tok)
+            g = self.ctx.nextn_ith(0).reshape(1, -1).copy()   # its pre-norm state: the next row's g
+        if not self.ctx.seq_rm(n_past, -1):
+            raise SpecrunError(f"EAGLE-3 context could not drop its draft rows after position {n_past}")
+        return Draft(np.asarray(toks, dtype=np.int32), np.stack(qs) if qs else None)

@@ -1,0 +1,214 @@
+"""draft-eagle3: EAGLE-3 drafts over llama.cpp (issue 15, items 1, 2 and 5).
+
+The test models are the tiny synthetic pair of gguf_spec.testmodel_eagle3 (a 4-layer llama
+bigram target, n_embd 256, and its eagle3 draft), q8_0 so that exact mode is bit-exact. Exactness
+is checked against a separate engine without the draft (the target's layer-input export is off
+there), greedy and seeded at temperature 0.8, before and past 256 tokens of context, through both
+branches: the exact head (everything accepted, computed by llama.cpp), a noisy head (partial
+acceptance), a random head and a shifted, always-wrong drafter (everything rejected).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from drafters import ShiftedDraft
+
+from specrun.gguf_spec.compat import check_eagle3_compatible, eagle3_problem
+from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
+from specrun.gguf_spec.spec import load_spec
+from specrun.gguf_spec.testmodel import Head, SynthConfig, SynthConfigError
+from specrun.gguf_spec.testmodel_eagle3 import TINY, Eagle3Config, bigram_map, draft_tokens, write_eagle3_pair
+from specrun.kernels.drafters import DraftEagle3
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.types import SamplingParams
+
+N_GEN = 40
+SEED = 1234
+PROMPTS = {"short": "Hello world, this is a test.", "long": "the quick brown fox jumps over the lazy dog " * 12}
+
+
+def pair(d: Path, name: str, cfg: Eagle3Config = TINY, dtype: str = "q8_0") -> tuple[Path, Path]:
+    return write_eagle3_pair(d / f"{name}-target.gguf", d / f"{name}-eagle3.gguf", cfg, dtype)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """The tiny pair with each head (one target: the heads share the seed), and a d2t variant."""
+    d = tmp_path_factory.mktemp("eagle3")
+    out = {h: pair(d, h.replace(":", ""), replace(TINY, head=Head.parse(h))) for h in ("exact", "noisy:0.2", "random")}
+    out["d2t"] = pair(d, "d2t", replace(TINY, draft_vocab=64))
+    out["deep"] = pair(d, "deep", replace(TINY, n_layer=8))               # extract layers 1, 4, 7
+    out["wide"] = pair(d, "wide", replace(TINY, n_embd=320, n_ff=512))    # n_embd 320
+    return out
+
+
+# ---- the files: writer, reader, compatibility (no model runs) --------------------------------
+
+
+def test_writer_is_deterministic_and_targets_share_the_trunk(tmp_path, models):
+    a = pair(tmp_path, "a")
+    assert [hashlib.sha256(p.read_bytes()).digest() for p in a] == \
+        [hashlib.sha256(p.read_bytes()).digest() for p in models["exact"]]
+    heads = [{t.name: bytes(t.data) for t in gguf.GGUFReader(models[h][0]).tensors} for h in ("exact", "random")]
+    assert heads[0] == heads[1]
+
+
+def test_reader_reports_the_eagle3_keys(models):
+    e = load_spec(models["exact"][1]).eagle3
+    assert e is not None and e.target_layers == (1, 2, 3) and e.target_hidden_size == 256 and e.n_embd == 256
+    assert e.n_layer == 1 and e.draft_vocab is None and not e.own_output and not e.own_token_embd
+    e = load_spec(models["d2t"][1]).eagle3
+    assert e.draft_vocab == 64 and e.own_output and e.d2t_max == int(draft_tokens(replace(TINY, draft_vocab=64))[-1])
+    assert load_spec(models["exact"][0]).eagle3 is None
+
+
+def test_bigram_map_never_ends_and_stays_in_the_draft_vocab():
+    f = bigram_map(TINY)
+    assert f.max() < TINY.n_vocab - 1
+    cfg = replace(TINY, draft_vocab=64)
+    assert set(bigram_map(cfg).tolist()) <= set(draft_tokens(cfg).tolist())
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"n_layer": 3}, r"target layers must be >= 4"),
+    ({"n_embd": 100}, "not a positive multiple of the head size 64"),
+    ({"n_ff": 256}, "n_ff 256 is below the vocab 512"),
+    ({"draft_vocab": 512}, r"draft vocab 512 is out of range \[2, 511\]"),
+])
+def test_config_rejects(kwargs, words):
+    with pytest.raises(SynthConfigError, match=words):
+        Eagle3Config(**kwargs)
+
+
+def test_compatibility_names_both_numbers(models):
+    target = load_spec(models["exact"][0])
+    assert check_eagle3_compatible(target, load_spec(models["exact"][1])).ok
+    deep = check_eagle3_compatible(target, load_spec(models["deep"][1]))
+    assert not deep.ok and "extract layers [1, 4, 7] do not fit the target's 4 layers (0..3)" in deep.reason
+    wide = check_eagle3_compatible(target, load_spec(models["wide"][1]))
+    assert "the draft reads target rows of width 320 but the target's n_embd is 256" in wide.reason
+    assert "the draft's n_embd 320 differs from the target's n_embd 256" in wide.reason
+
+
+def test_other_files_are_not_eagle3_drafts(tmp_path, models):
+    from conftest import write_gguf
+
+    from specrun.gguf_spec.testmodel import write_test_model
+
+    heads = load_spec(write_gguf(tmp_path / "heads.gguf", arch="qwen35", n_layer=2, nextn=1))
+    assert eagle3_problem(heads).startswith("it holds MTP heads (architecture qwen35), not an EAGLE-3 draft; "
+                                            "use --spec-type draft-mtp -md heads.gguf")
+    assert eagle3_problem(load_spec(models["exact"][0])).startswith("it is a llama model, not an EAGLE-3 draft")
+    qwen35 = load_spec(write_test_model(tmp_path / "q.gguf", SynthConfig(), "f16"))
+    c = check_eagle3_compatible(qwen35, load_spec(models["exact"][1]))
+    assert "llama.cpp exports no layer inputs of a qwen35 target" in c.reason
+
+
+# ---- the drafter through the engine ------------------------------------------------------------
+
+
+def spec(n_max: int = 3, verify: str = "match") -> SpecParams:
+    return SpecParams(types=("draft-eagle3",), n_max=n_max, verify=verify)
+
+
+def run(e: Engine, prompt, temp: float, sp: SpecParams, **kw):
+    gen = e.generate(prompt, N_GEN, SamplingParams(temp=temp, seed=SEED), spec=sp, **kw)
+    return [t for ts in gen for t in ts], gen.stats
+
+
+# one thread: the tiny models decode in about 1 ms, and two threads on a shared 2-core machine spin
+PARAMS = EngineParams(n_ctx=1024, n_threads=1)
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    """plain(head) -> (prompt tokens, reference outputs by (prompt, temp)) of that pair's target
+    alone (no layer-input export); cached."""
+    cache: dict[Path, tuple] = {}
+
+    def get(head: str) -> tuple[dict, dict]:
+        path = models[head][0]
+        if path not in cache:
+            with Engine(str(path), PARAMS) as e:
+                toks = {k: e.tokenize(v) for k, v in PROMPTS.items()}
+                assert len(toks["short"]) < 256 < len(toks["long"])
+                cache[path] = toks, {(k, t): run(e, p, t, SpecParams())[0] for k, p in toks.items() for t in (0.0, 0.8)}
+        return cache[path]
+
+    return get
+
+
+def eagle3_engine(models, head: str) -> Engine:
+    t, d = models[head]
+    return Engine(str(t), replace(PARAMS, draft_model=str(d), spec=spec()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["exact", "noisy:0.2", "random", "d2t"])
+def test_draft_eagle3_equals_plain(models, plain, head):
+    toks, ref = plain(head)
+    with eagle3_engine(models, head) as e:
+        assert e.fast is None    # EAGLE-3 reads the target's rows of every prompt position
+        for name, prompt in toks.items():
+            for temp in (0.0, 0.8):
+                for n_max in (1, 3, 8):
+                    got, st = run(e, prompt, temp, spec(n_max))
+                    assert got == ref[(name, temp)], (head, name, temp, n_max)
+                    assert st.n_drafted > 0
+                    if temp == 0.0 and head in ("exact", "d2t"):
+                        assert st.n_accepted == st.n_drafted, (name, n_max)
+                    if temp == 0.0 and head == "noisy:0.2" and n_max > 1:
+                        assert 0 < st.n_accepted < st.n_drafted, (name, n_max)   # partial acceptance
+                    if temp == 0.0 and head == "random":
+                        assert st.acceptance_rate < 0.2, (name, n_max)
+
+
+@pytest.mark.slow
+def test_always_wrong_drafter_equals_plain(models, plain):
+    toks, ref = plain("exact")
+    with eagle3_engine(models, "exact") as e:
+        wrong = ShiftedDraft(e.drafters[0], e.model.n_vocab)
+        for temp in (0.0, 0.8):
+            got, st = run(e, toks["long"], temp, spec(3), drafters=[wrong])
+            assert got == ref[("long", temp)] and st.n_drafted > 0
+            if temp == 0.0:
+                assert st.n_accepted == 0
+        got, st = run(e, toks["long"], 0.0, spec(3))        # the real drafter still follows the target
+        assert got == ref[("long", 0.0)] and st.n_accepted == st.n_drafted
+
+
+@pytest.mark.slow
+def test_conversation_reuse_and_rejection_sampling(models, plain):
+    """A prompt that extends the cached one reuses the KV of both the target and the draft; at
+    temperature 0.8 with verify auto the draft's distribution feeds rejection sampling."""
+    toks, _ = plain("exact")
+    with eagle3_engine(models, "exact") as e:
+        got, _ = run(e, toks["short"], 0.0, spec())
+        longer = np.concatenate([toks["short"], np.asarray(got, dtype=np.int32), toks["short"]])
+        again, st = run(e, longer, 0.0, spec())
+        assert st.n_prompt < len(longer) and st.n_accepted == st.n_drafted
+        with Engine(str(models["exact"][0]), PARAMS) as p:
+            assert again == run(p, longer, 0.0, SpecParams())[0]
+        out, st = run(e, toks["short"], 0.8, spec(3, verify="auto"))
+        assert st.verify == "rejection" and st.n_accepted > 0 and len(out) == N_GEN
+
+
+@pytest.mark.slow
+def test_drafter_refuses_what_llama_cpp_would_abort_on(models):
+    t, _ = models["exact"]
+    with Engine(str(t), PARAMS) as e:
+        with pytest.raises(IncompatibleDraft, match=r"extract layers \[1, 4, 7\] do not fit the target's 4 layers"):
+            DraftEagle3(e.target, str(models["deep"][1]))
+        with pytest.raises(IncompatibleDraft, match="n_embd is 256"):
+            DraftEagle3(e.target, str(models["wide"][1]))
+        with pytest.raises(IncompatibleDraft, match="it is a llama model, not an EAGLE-3 draft"):
+            DraftEagle3(e.target, str(t))
+    with pytest.raises(SpecrunError, match="draft-eagle3 needs an EAGLE-3 draft: add -md EAGLE3.gguf"):
+        Engine(str(t), replace(PARAMS, spec=spec()))
