@@ -362,7 +362,7 @@ def _out_console(to_stderr: bool) -> Console:
 @model_options
 @click.option("--spec-type", "spec_type", default=None,
               help="comma-separated settings to compare, 'a+b' for a combination "
-                   "(default: none, ngram-simple, and draft-mtp / draft-simple when the files allow)")
+                   "(default: none, ngram-simple, and draft-simple / draft-eagle3 / draft-mtp when the files allow)")
 @click.option("--spec-draft-n-max", "n_max", default="1,2,3,5,8", show_default=True,
               help="comma-separated draft lengths; each spec type runs at each")
 @click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=12, show_default=True)

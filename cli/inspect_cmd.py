@@ -1,5 +1,6 @@
-"""`specrun inspect MODEL`: what a GGUF holds (summary, quantization mix, MTP heads, tensors),
-as rich tables or one JSON object, and with --draft whether another model can draft for it."""
+"""`specrun inspect MODEL`: what a GGUF holds (summary, quantization mix, the spec types it can
+use, MTP heads, an EAGLE-3 draft's extract layers, tensors), as rich tables or one JSON object, and
+with --draft (-md) whether another file can draft for it (a draft model or an EAGLE-3 draft)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from specrun.gguf_spec.compat import Compat, check_draft_compatible, vocab_type
+from specrun.gguf_spec.compat import Compat, check_draft_compatible, check_eagle3_compatible, vocab_type
 from specrun.gguf_spec.spec import ModelSpec, TensorInfo, load_spec
 
 from .runtime.console import handle_errors, resolve
+from .runtime.loading import types_for
 
 NO_MTP = "no MTP heads: --spec-type draft-mtp is not available for this model"
 
@@ -32,6 +34,36 @@ def _tensor_json(t: TensorInfo, offset: bool) -> dict[str, Any]:
     if offset:
         d["offset"] = t.offset
     return d
+
+
+def spec_types(spec: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:
+    """What --spec-type can be with this model (and -md draft): none first; () for a file that
+    drafts for another model (MTP heads alone, an EAGLE-3 draft)."""
+    if spec.is_eagle3 or (spec.has_mtp and not spec.has_trunk):
+        return ()
+    return ("none", *types_for(spec, draft))
+
+
+def _spec_types_line(spec: ModelSpec, draft: ModelSpec | None) -> str:
+    types = spec_types(spec, draft)
+    if spec.is_eagle3:
+        return ("spec types: none of its own; an EAGLE-3 draft runs beside the model it was made for: "
+                f"-md {spec.path.name} --spec-type draft-eagle3 (`specrun inspect MODEL -md {spec.path.name}` "
+                "checks the fit)")
+    if not types:
+        return (f"spec types: none of its own; MTP heads run beside the model they came from: -md {spec.path.name} "
+                "--spec-type draft-mtp")
+    return f"spec types: {', '.join(types)}" + (f" (with -md {draft.path.name})" if draft is not None else "")
+
+
+def _eagle3_json(spec: ModelSpec) -> dict[str, Any] | None:
+    e = spec.eagle3
+    if e is None:
+        return None
+    return {"target_layers": list(e.target_layers), "target_hidden_size": e.target_hidden_size, "n_embd": e.n_embd,
+            "n_layer": e.n_layer, "draft_vocab": e.draft_vocab, "own_token_embd": e.own_token_embd,
+            "own_output": e.own_output, "norm_before_fc": e.norm_before_fc,
+            "norm_before_residual": e.norm_before_residual}
 
 
 def _as_json(spec: ModelSpec, tensors: bool, draft: tuple[ModelSpec, Compat] | None) -> dict[str, Any]:
@@ -61,6 +93,8 @@ def _as_json(spec: ModelSpec, tensors: bool, draft: tuple[ModelSpec, Compat] | N
             "blocks": [{"index": b.index, "tensors": [_tensor_json(t, False) for t in b.tensors]}
                        for b in spec.mtp_blocks],
         },
+        "eagle3": _eagle3_json(spec),
+        "spec_types": list(spec_types(spec, draft[0] if draft else None)),
     }
     if tensors:
         out["tensors"] = [_tensor_json(t, True) for t in spec.tensors]
@@ -108,6 +142,30 @@ def _quant_mix(spec: ModelSpec) -> Table:
     return t
 
 
+def _eagle3(spec: ModelSpec) -> Table:
+    e = spec.eagle3
+    assert e is not None
+    t = Table(title="EAGLE-3 draft", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(overflow="fold")
+    vocab = spec.vocab.size if spec.vocab else "?"
+    rows = [
+        ("extract layers", ", ".join(str(x) for x in e.target_layers) + " (low, mid, high: target layers whose "
+                                                                       "inputs it reads)"),
+        ("target hidden size", f"{e.target_hidden_size or '-'} (fc: {len(e.target_layers)} x that -> {e.n_embd})"),
+        ("draft n_embd", f"{e.n_embd or '-'}, {e.n_layer or '-'} decoder layer(s)"),
+        ("draft vocab", f"{e.draft_vocab} tokens, mapped to target ids by d2t" if e.draft_vocab
+            else f"the target's ({vocab} tokens, no d2t)"),
+        ("token embeddings", "its own" if e.own_token_embd else "the target's"),
+        ("output head", "its own" if e.own_output else "the target's"),
+        ("norms", f"norm_before_fc {str(e.norm_before_fc).lower()}, "
+                  f"norm_before_residual {str(e.norm_before_residual).lower()}"),
+    ]
+    for k, val in rows:
+        t.add_row(k, Text(val))
+    return t
+
+
 def _mtp(spec: ModelSpec) -> Table:
     t = Table(title=f"MTP heads (nextn_predict_layers = {spec.nextn_predict_layers})", title_justify="left")
     for col in ("block", "tensor", "type", "shape", "size"):
@@ -131,7 +189,9 @@ def _tensors(spec: ModelSpec) -> Table:
 @click.argument("model")
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor (name, type, shape, bytes, offset).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-@click.option("--draft", metavar="DRAFT", help="Report whether DRAFT (path or registry name) can draft for MODEL.")
+@click.option("--draft", "-md", "--model-draft", "draft", metavar="DRAFT",
+              help="Report whether DRAFT (path or registry name; a draft model or an EAGLE-3 draft) can draft for "
+                   "MODEL, and the spec types the pair allows.")
 @handle_errors
 def inspect(model: str, show_tensors: bool, as_json: bool, draft: str | None) -> None:
     """Show what the GGUF MODEL (a path or a registry name) holds."""
@@ -139,7 +199,7 @@ def inspect(model: str, show_tensors: bool, as_json: bool, draft: str | None) ->
     checked = None
     if draft is not None:
         d = load_spec(resolve(draft))
-        checked = (d, check_draft_compatible(spec, d))
+        checked = (d, check_eagle3_compatible(spec, d) if d.is_eagle3 else check_draft_compatible(spec, d))
     if as_json:
         click.echo(json.dumps(_as_json(spec, show_tensors, checked), indent=2))
         return
@@ -150,6 +210,9 @@ def inspect(model: str, show_tensors: bool, as_json: bool, draft: str | None) ->
 
     out.print(_summary(spec))
     out.print(_quant_mix(spec))
+    if spec.eagle3 is not None:
+        out.print(_eagle3(spec))
+    line(_spec_types_line(spec, checked[0] if checked else None))
     if spec.mtp_blocks:
         out.print(_mtp(spec))
         if not spec.has_mtp:

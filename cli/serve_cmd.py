@@ -176,6 +176,8 @@ class _Loader(threading.Thread):
             spec_types = ["none", "ngram-simple"]
             if "draft-simple" in params.spec.types:
                 spec_types.append("draft-simple")
+            if "draft-eagle3" in params.spec.types:
+                spec_types.append("draft-eagle3")
             if engines[0].mtp_enabled:
                 spec_types.append("draft-mtp")
             if auto:

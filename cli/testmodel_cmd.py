@@ -1,6 +1,6 @@
 """`specrun make-test-model`, `specrun quantize`, `specrun extract-mtp`: synthetic qwen35 + MTP
-models, llama.cpp's quantizer with an MTP-aware type policy, and splitting a model into its
-trunk and its MTP heads. Status and progress go to stderr; these commands print nothing on
+models (or, with --eagle3, a synthetic llama target and its EAGLE-3 draft), llama.cpp's quantizer
+with an MTP-aware type policy, and splitting a model into its trunk and its MTP heads. Status and progress go to stderr; these commands print nothing on
 stdout."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from specrun.gguf_spec.extract import extract_mtp, extract_trunk
 from specrun.gguf_spec.testmodel import SHAPES, Head, SynthConfig, SynthConfigError
+from specrun.gguf_spec.testmodel_eagle3 import SHAPES as EAGLE3_SHAPES
+from specrun.gguf_spec.testmodel_eagle3 import Eagle3Config
 from specrun.kernels.check_mtp import check_mtp
 from specrun.kernels.quantize import (
     DEFAULT_MTP_TYPE,
@@ -24,7 +26,12 @@ from specrun.kernels.quantize import (
     parse_override,
     quantize,
 )
-from specrun.kernels.testmodel import TEST_MODEL_QUANTS, build_test_model
+from specrun.kernels.testmodel import (
+    TEST_MODEL_QUANTS,
+    build_eagle3_test_models,
+    build_test_model,
+    check_eagle3,
+)
 
 from .runtime.console import err_console, handle_errors, setup_logging
 
@@ -75,16 +82,29 @@ def _head(ctx, param, value):
 @click.option("--quant", type=click.Choice(TEST_MODEL_QUANTS, case_sensitive=False), default="f16",
               show_default=True, help="q8_0/q4_k_m are made by llama.cpp's quantizer, MTP types matched to the trunk")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--check", is_flag=True, help="load the result with llama.cpp and print greedy MTP acceptance")
+@click.option("--eagle3", "eagle3", default=None, type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              metavar="DRAFT.gguf",
+              help="instead: OUT is a llama target and DRAFT.gguf its EAGLE-3 draft (--head applies to the draft; "
+                   "realistic = 24 layers, n_embd 512, n_ff 2048; tiny = 4, 256, 512; quants f32, f16, q8_0)")
+@click.option("--draft-vocab", type=click.IntRange(2), default=None,
+              help="with --eagle3: the draft's own head covers this many tokens, mapped through d2t")
+@click.option("--check", is_flag=True, help="load the result with llama.cpp and print greedy MTP (or EAGLE-3) acceptance")
 @click.option("-t", "--threads", "threads", type=click.IntRange(0), default=0,
               help="CPU threads for quantizing (default: all) and --check (default: 1)")
 @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp to stderr")
 @handle_errors
-def make_test_model(out, shape, head, trunk_layers, n_embd, n_ff, n_vocab, quant, seed, check, threads,
-                    verbose):
+def make_test_model(out, shape, head, trunk_layers, n_embd, n_ff, n_vocab, quant, seed, eagle3, draft_vocab, check,
+                    threads, verbose):
     """Write a synthetic qwen35 GGUF with one MTP block whose drafts llama.cpp accepts
-    (exact), partly accepts (noisy) or rejects (random). Deterministic: same flags, same bytes."""
+    (exact), partly accepts (noisy) or rejects (random). Deterministic: same flags, same bytes.
+    With --eagle3 DRAFT.gguf: a llama target and an EAGLE-3 draft with such a head."""
     setup_logging(verbose)
+    if eagle3 is not None:
+        _make_eagle3(out, eagle3, shape, head, trunk_layers, n_embd, n_ff, n_vocab, draft_vocab, quant, seed, check,
+                     threads)
+        return
+    if draft_vocab is not None:
+        raise click.UsageError("--draft-vocab goes with --eagle3 DRAFT.gguf")
     base = SHAPES[shape]
     cfg = SynthConfig(head=head,
                       trunk_layers=base.trunk_layers if trunk_layers is None else trunk_layers,
@@ -101,6 +121,22 @@ def make_test_model(out, shape, head, trunk_layers, n_embd, n_ff, n_vocab, quant
                           f"({r.greedy.n_agree}/{r.greedy.n}), {r.vocab.rate:.1%} over the vocabulary "
                           f"({r.vocab.n_agree}/{r.vocab.n}); one-token decode: target {r.t_target_ms:.2f} ms, "
                           f"MTP {r.t_mtp_ms:.2f} ms (trunk:MTP {r.cost_ratio:.1f})")
+
+
+def _make_eagle3(out: Path, draft: Path, shape: str, head: Head, n_layer, n_embd, n_ff, n_vocab, draft_vocab,
+                 quant: str, seed: int, check: bool, threads: int) -> None:
+    base = EAGLE3_SHAPES[shape]
+    cfg = Eagle3Config(head=head, n_layer=base.n_layer if n_layer is None else n_layer,
+                       n_embd=base.n_embd if n_embd is None else n_embd, n_ff=base.n_ff if n_ff is None else n_ff,
+                       n_vocab=base.n_vocab if n_vocab is None else n_vocab, draft_vocab=draft_vocab, seed=seed)
+    build_eagle3_test_models(out, draft, cfg, quant)
+    layers = ", ".join(str(x) for x in cfg.extract_layers)
+    _say(f"wrote {out} ({_mib(out.stat().st_size)}, llama {quant.lower()}, {cfg.n_layer} layers) and {draft} "
+         f"({_mib(draft.stat().st_size)}, eagle3, extract layers {layers}; {cfg.describe()})")
+    if check:
+        r = check_eagle3(out, draft, n_threads=threads or 1)
+        _say(f"greedy EAGLE-3 acceptance: {r.rate:.1%} ({r.n_accepted}/{r.n_drafted} at n-max {r.n_max}); "
+             f"output {'equals' if r.equal else 'DIFFERS FROM'} --spec-type none")
 
 
 def _mtp_type(ctx, param, value):

@@ -281,15 +281,17 @@ def test_chat_prints_its_random_seed_once_before_the_first_answer_and_it_replays
     assert b.stdout == a.stdout and "sampler seed" not in b.stderr
 
 
-def test_md_with_an_eagle3_draft_is_refused_in_one_line(tmp_path):
-    """llama.cpp infers draft-eagle3 from such a file; specrun has no EAGLE-3 yet and says so."""
+def test_md_with_a_broken_eagle3_draft_is_refused_in_one_line(tmp_path):
+    """-md infers draft-eagle3 from an eagle3 file, as llama.cpp does; one without extract layers, or
+    an eagle3 file given to --spec-type draft, is refused before llama.cpp loads it (tests/test_eagle3.py
+    runs the real thing)."""
     from conftest import write_gguf
 
     path = write_gguf(tmp_path / "eagle3.gguf", arch="eagle3")
-    for extra in ([], ["--spec-type", "draft"]):
+    for extra, error in (([], "EAGLE-3 draft eagle3.gguf cannot draft for SmolLM2-135M-Instruct.Q4_1.gguf: it lists 0 "
+                               "extract layers [] in eagle3.target_layers; llama.cpp's EAGLE-3 reads exactly 3"),
+                         (["--spec-type", "draft"], "-md eagle3.gguf is an EAGLE-3 draft (architecture eagle3), not a "
+                                                    "draft model; use --spec-type draft-eagle3")):
         r = CliRunner().invoke(cli, ["-m", "smollm2-135m-instruct", "-md", str(path), "-p", "hi", "-n", "1", *extra])
         assert r.exit_code == 1 and "Traceback" not in r.output, r.output
-        assert r.output.strip().splitlines()[-1] == (
-            "Error: -md eagle3.gguf is an EAGLE-3 draft (architecture eagle3), which llama.cpp runs as --spec-type "
-            "draft-eagle3; specrun does not have draft-eagle3 yet: give a draft model (draft) or MTP heads "
-            "(draft-mtp)")
+        assert r.output.strip().splitlines() == [f"Error: {error}"]

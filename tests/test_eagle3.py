@@ -11,14 +11,17 @@ acceptance), a random head and a shifted, always-wrong drafter (everything rejec
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from drafters import ShiftedDraft
 
+from specrun.cli.main import cli
 from specrun.gguf_spec.compat import check_eagle3_compatible, eagle3_problem
 from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import load_spec
@@ -212,3 +215,112 @@ def test_drafter_refuses_what_llama_cpp_would_abort_on(models):
             DraftEagle3(e.target, str(t))
     with pytest.raises(SpecrunError, match="draft-eagle3 needs an EAGLE-3 draft: add -md EAGLE3.gguf"):
         Engine(str(t), replace(PARAMS, spec=spec()))
+
+
+# ---- the CLI: run, inspect, make-test-model, auto -----------------------------------------------
+
+
+def cli_run(*args: str, input=None):
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+
+def one_error_line(r, text: str) -> None:
+    assert r.exit_code == 1 and "Traceback" not in r.output, (r.exit_code, r.output)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"Error: {text}"], r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.slow
+def test_run_with_md_infers_draft_eagle3_and_equals_none(models):
+    t, d = (str(p) for p in models["exact"])
+    args = ["-m", t, "-p", "Hello world", "-n", "24", "--temp", "0", "-t", "1"]
+    none = cli_run(*args, "--spec-type", "none")
+    r = cli_run(*args, "-md", d)
+    assert r.exit_code == 0 and none.exit_code == 0, r.output
+    assert r.stdout == none.stdout
+    assert r.stderr.startswith(f"spec type: draft-eagle3, inferred from -md {Path(d).name} (an EAGLE-3 draft)")
+    assert "draft acceptance rate = 1.00000" in r.stderr and "statistics draft-eagle3:" in r.stderr
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_exit_1(models, tmp_path):
+    from conftest import write_gguf
+
+    t, d = (str(p) for p in models["exact"])
+    heads = write_gguf(tmp_path / "heads.gguf", arch="qwen35", n_layer=2, nextn=1)
+    base = ["-m", t, "-p", "hi", "-n", "4", "-t", "1"]
+    one_error_line(cli_run(*base, "-md", d, "--spec-type", "draft"),
+                   f"-md {Path(d).name} is an EAGLE-3 draft (architecture eagle3), not a draft model; "
+                   "use --spec-type draft-eagle3")
+    one_error_line(cli_run(*base, "-md", str(heads), "--spec-type", "draft-eagle3"),
+                   "-md heads.gguf cannot be used with --spec-type draft-eagle3: it holds MTP heads (architecture "
+                   "qwen35), not an EAGLE-3 draft; use --spec-type draft-mtp -md heads.gguf")
+    one_error_line(cli_run(*base, "--spec-type", "draft-eagle3"),
+                   "--spec-type draft-eagle3 needs an EAGLE-3 draft: add -md EAGLE3.gguf (converted for this model)")
+    one_error_line(cli_run(*base, "-md", str(models["deep"][1])),
+                   "EAGLE-3 draft deep-eagle3.gguf cannot draft for exact-target.gguf: extract layers [1, 4, 7] "
+                   "do not fit the target's 4 layers (0..3): the draft was made for a deeper model; use the EAGLE-3 "
+                   "draft made for this model")
+    r = cli_run(*base, "-md", str(models["wide"][1]), "--spec-type", "draft-eagle3")
+    one_error_line(r, "EAGLE-3 draft wide-eagle3.gguf cannot draft for exact-target.gguf: the draft reads target rows "
+                      "of width 320 but the target's n_embd is 256; the draft's n_embd 320 differs from the target's "
+                      "n_embd 256, and it borrows the target's token embeddings; use the EAGLE-3 draft made for this "
+                      "model")
+    one_error_line(cli_run("-m", d, "-p", "hi"),
+                   f"{d} is an EAGLE-3 draft, so it cannot be the main model; use it as -md {Path(d).name} "
+                   "--spec-type draft-eagle3 beside the model it was made for")
+
+
+def test_inspect_reports_the_draft_and_the_spec_types(models):
+    t, d = (str(p) for p in models["d2t"])
+    r = cli_run("inspect", d)
+    assert r.exit_code == 0, r.output
+    for words in ("EAGLE-3 draft", "extract layers", "1, 2, 3 (low, mid, high", "target hidden size",
+                  "256 (fc: 3 x that -> 256)", "64 tokens, mapped to target ids by d2t",
+                  "spec types: none of its own; an EAGLE-3 draft runs beside the model it was made for"):
+        assert words in r.stdout, words
+    js = json.loads(cli_run("inspect", d, "--json").stdout)
+    assert js["eagle3"]["target_layers"] == [1, 2, 3] and js["eagle3"]["target_hidden_size"] == 256
+    assert js["eagle3"]["draft_vocab"] == 64 and js["spec_types"] == []
+    r = cli_run("inspect", t, "-md", d)
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("spec types: ")]
+    assert line.startswith("spec types: none, ngram-simple") and line.endswith(", draft-eagle3 (with -md d2t-eagle3.gguf)")
+    assert r.stdout.rstrip().splitlines()[-1] == "draft d2t-eagle3.gguf: compatible with d2t-target.gguf"
+    r = cli_run("inspect", t, "-md", str(models["deep"][1]), "--json")
+    js = json.loads(r.stdout)
+    assert js["spec_types"][:2] == ["none", "ngram-simple"] and not js["draft"]["compatible"]
+    assert "draft-eagle3" not in js["spec_types"]
+    assert "extract layers [1, 4, 7] do not fit the target's 4 layers" in js["draft"]["reason"]
+    assert "draft-eagle3" not in json.loads(cli_run("inspect", t, "--json").stdout)["spec_types"]
+
+
+@pytest.mark.slow
+def test_make_test_model_eagle3_checks_with_llama_cpp(tmp_path):
+    t, d = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    r = cli_run("make-test-model", str(t), "--eagle3", str(d), "--shape", "tiny", "--quant", "q8_0", "--check",
+                "-t", "1")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == ""
+    assert "llama q8_0, 4 layers" in r.stderr and "eagle3, extract layers 1, 2, 3" in r.stderr
+    assert "greedy EAGLE-3 acceptance: 100.0% (" in r.stderr and "output equals --spec-type none" in r.stderr
+    assert t.read_bytes() == (tmp_path / "t.gguf").read_bytes()
+    r = cli_run("make-test-model", str(t), "--eagle3", str(d), "--quant", "q4_k_m")
+    assert r.exit_code == 1 and "the EAGLE-3 test models are written as f32, f16, q8_0, not 'q4_k_m'" in r.stderr
+    r = cli_run("make-test-model", str(t), "--draft-vocab", "8")
+    assert r.exit_code == 2 and "--draft-vocab goes with --eagle3 DRAFT.gguf" in r.stderr
+
+
+@pytest.mark.slow
+def test_auto_calibrates_draft_eagle3_too(models):
+    from specrun.cli.runtime.auto import auto_candidates
+    from specrun.cli.runtime.loading import prepare
+
+    t, d = (str(p) for p in models["exact"])
+    path, params = prepare(t, replace(PARAMS, draft_model=d, spec=SpecParams(types=("auto",))))
+    assert params.spec.types[-1] == "draft-eagle3" and "ngram-simple" in params.spec.types
+    with Engine(str(path), params) as e:
+        cands = auto_candidates(e, params.spec)
+        assert [c.n_max for c in cands if c.types == ("draft-eagle3",)] == [1, 2, 3, 4, 6, 8]
+        r = cli_run("-m", t, "-md", d, "--spec-type", "auto", "-p", "Hello", "-n", "8", "--temp", "0", "-t", "1")
+        assert r.exit_code == 0 and "spec auto: " in r.stderr, r.output

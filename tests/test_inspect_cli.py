@@ -11,7 +11,8 @@ from specrun.cli.inspect_cmd import NO_MTP
 from specrun.cli.main import cli
 
 JSON_KEYS = {"path", "architecture", "name", "size_label", "file_type", "context_length", "n_embd", "n_layer",
-             "n_head", "n_head_kv", "vocab", "chat_template", "n_tensors", "n_bytes", "quant_mix", "mtp"}
+             "n_head", "n_head_kv", "vocab", "chat_template", "n_tensors", "n_bytes", "quant_mix", "mtp", "eagle3",
+             "spec_types"}
 
 
 def invoke(*args: str):
@@ -58,6 +59,7 @@ def test_json_smollm(smollm_path):
     assert d["vocab"] == {"model": "gpt2", "type": "BPE", "pre": "smollm", "size": 49152, "bos_id": 1,
                           "eos_id": 2, "eot_id": None, "add_bos": False, "add_eos": False}
     assert d["mtp"] == {"nextn_predict_layers": 0, "available": False, "blocks": []}
+    assert d["eagle3"] is None and d["spec_types"][:2] == ["none", "ngram-simple"] and "draft-mtp" not in d["spec_types"]
     assert d["quant_mix"][0] == {"type": "Q4_1", "n_tensors": 210, "n_bytes": 66355200}
     assert sum(q["n_tensors"] for q in d["quant_mix"]) == d["n_tensors"] == 272
 

@@ -32,8 +32,8 @@ def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     sizes = dict.fromkeys([(base.ngram_size_n, base.ngram_size_m), *AUTO_NGRAM_SIZES])
     out = [replace(base, types=("ngram-simple",), ngram_size_n=n, ngram_size_m=m)
            for n, m in sizes if m <= engine.n_max_cap]
-    models = [t for t in ("draft-simple", "draft-mtp")
-              if (t == "draft-simple" and t in engine.params.spec.types) or (t == "draft-mtp" and engine.mtp_enabled)]
+    models = [t for t in ("draft-simple", "draft-eagle3", "draft-mtp")
+              if (t != "draft-mtp" and t in engine.params.spec.types) or (t == "draft-mtp" and engine.mtp_enabled)]
     return out + [replace(base, types=(t,), n_max=k) for t in models for k in AUTO_N_MAX if k <= engine.n_max_cap]
 
 

@@ -2,8 +2,9 @@
 
 Every check happens here, once, for run, chat, serve and bench alike: model names resolve to
 files (registry names are assembled on first use), each GGUF is read by gguf_spec first (a precise
-one-line error for a file llama.cpp would only call unloadable), an MTP-only file is refused as
-the main model, `-md` without `--spec-type` takes the type its file holds (said on stderr),
+one-line error for a file llama.cpp would only call unloadable), an MTP-only file or an EAGLE-3
+draft is refused as the main model, an EAGLE-3 draft is checked against its target (llama.cpp
+aborts on several mismatches), `-md` without `--spec-type` takes the type its file holds (said on stderr),
 `--spec-type auto` becomes every type the files allow, and the exact-mode caveat for F16/F32
 weights is attached for the stats line. While llama.cpp loads, Ctrl-C exits 130 at once.
 """
@@ -14,7 +15,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from specrun.gguf_spec.errors import SpecrunError
+from specrun.gguf_spec.compat import check_eagle3_compatible, eagle3_problem
+from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import ModelSpec, load_spec
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams
@@ -24,16 +26,24 @@ from .options import AUTO, INFER
 
 
 def available_types(model_path: str | os.PathLike, draft_path: str | os.PathLike | None) -> tuple[str, ...]:
-    """The spec types these files allow, in llama.cpp's order: ngram-simple always; draft-mtp when
-    the model (or -md, a heads-only file) has MTP heads; draft-simple when -md is a whole model."""
-    types = ["ngram-simple"]
-    if draft_path:
-        d = load_spec(draft_path)
-        if d.has_trunk:
+    """The spec types these files allow (types_for)."""
+    return types_for(load_spec(model_path), load_spec(draft_path) if draft_path else None)
+
+
+def types_for(model: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:
+    """The spec types a model (and an -md file) allow, in llama.cpp's order: the n-gram types
+    always; draft-simple when -md is a whole model; draft-eagle3 when -md is an EAGLE-3 draft that
+    fits the model; draft-mtp when the model (or -md, a heads-only file) has MTP heads."""
+    types = ["ngram-simple"]     # llama.cpp's other n-gram types join here with their drafters
+    if draft is not None:
+        if draft.is_eagle3:
+            if check_eagle3_compatible(model, draft).ok:
+                types.append("draft-eagle3")
+        elif draft.has_trunk:
             types.append("draft-simple")
-        elif d.has_mtp:
+        elif draft.has_mtp:
             types.append("draft-mtp")
-    if "draft-mtp" not in types and load_spec(model_path).has_mtp:
+    if "draft-mtp" not in types and model.has_mtp:
         types.append("draft-mtp")
     return tuple(types)
 
@@ -57,21 +67,29 @@ def draft_types(params: EngineParams, draft: ModelSpec | None, draft_name: str) 
     (MTP heads: draft-mtp; a whole model: draft-simple), said in one line on stderr, as llama.cpp
     infers it from the draft GGUF; none without -md. An -md that the given types never use is noted."""
     types = params.spec.types
-    if draft is not None and draft.architecture == "eagle3":
-        raise SpecrunError(f"-md {draft_name} is an EAGLE-3 draft (architecture eagle3), which llama.cpp runs as "
-                           "--spec-type draft-eagle3; specrun does not have draft-eagle3 yet: give a draft model "
-                           "(draft) or MTP heads (draft-mtp)")
+    if "draft-eagle3" in types:
+        if draft is None:
+            raise SpecrunError("--spec-type draft-eagle3 needs an EAGLE-3 draft: add -md EAGLE3.gguf "
+                               "(converted for this model)")
+        why = eagle3_problem(draft)
+        if why:
+            raise SpecrunError(f"-md {draft_name} cannot be used with --spec-type draft-eagle3: {why}")
+    elif draft is not None and draft.is_eagle3 and types != INFER and types != AUTO \
+            and {"draft-simple", "draft-mtp"} & set(types):
+        raise SpecrunError(f"-md {draft_name} is an EAGLE-3 draft (architecture eagle3), not "
+                           f"{'a draft model' if 'draft-simple' in types else 'MTP heads'}; "
+                           "use --spec-type draft-eagle3")
     if types == INFER:
         if draft is None:
             return ()
         heads = draft.has_mtp and not draft.has_trunk
-        inferred = "draft-mtp" if heads else "draft-simple"
-        note(f"spec type: {inferred}, inferred from -md {draft_name} ({'MTP heads' if heads else 'a whole model'}); "
-             "--spec-type chooses another")
+        inferred, what = (("draft-eagle3", "an EAGLE-3 draft") if draft.is_eagle3 else
+                          ("draft-mtp", "MTP heads") if heads else ("draft-simple", "a whole model"))
+        note(f"spec type: {inferred}, inferred from -md {draft_name} ({what}); --spec-type chooses another")
         return (inferred,)
-    if draft is not None and types != AUTO and not {"draft-simple", "draft-mtp"} & set(types):
+    if draft is not None and types != AUTO and not {"draft-simple", "draft-eagle3", "draft-mtp"} & set(types):
         note(f"-md {draft_name}: not used, as --spec-type {','.join(types) or 'none'} has no draft type; "
-             "add draft (a draft model) or draft-mtp (MTP heads)")
+             "add draft (a draft model), draft-eagle3 (an EAGLE-3 draft) or draft-mtp (MTP heads)")
     return types
 
 
@@ -85,11 +103,18 @@ def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
     if spec.has_mtp and not spec.has_trunk:
         raise SpecrunError(f"{path} holds only MTP heads (no trunk), so it cannot be the main model; "
                            f"use it as -md {path.name} beside the model it was extracted from")
+    if spec.is_eagle3:
+        raise SpecrunError(f"{path} is an EAGLE-3 draft, so it cannot be the main model; use it as "
+                           f"-md {path.name} --spec-type draft-eagle3 beside the model it was made for")
     draft = None
     if params.draft_model:
         name = Path(params.draft_model).name
         params = replace(params, draft_model=str(resolve(params.draft_model)))
         draft = load_spec(params.draft_model)
+    if draft is not None and draft.is_eagle3 and (params.spec.types == INFER or "draft-eagle3" in params.spec.types):
+        c = check_eagle3_compatible(spec, draft)
+        if not c.ok:
+            raise IncompatibleDraft(f"EAGLE-3 draft {name} cannot draft for {path.name}: {c.reason}")
     params = replace(params, spec=replace(params.spec, types=draft_types(params, draft, name if draft else "")))
     if params.spec.types == AUTO:
         params = replace(params, spec=replace(params.spec, types=available_types(path, params.draft_model)))

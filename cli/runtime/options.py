@@ -77,8 +77,8 @@ def model_options(f):
     @click.option("-m", "--model", "model", envvar="SPECRUN_MODEL", default="gemma-3-270m", show_default=True,
                   help="GGUF path, or a known model name (gemma-3-270m, smollm2-135m-instruct)")
     @click.option("-md", "--model-draft", "--spec-draft-model", "model_draft", default=None,
-                  help="draft GGUF for --spec-type draft, or MTP heads (from `specrun extract-mtp`) for draft-mtp; "
-                       "without --spec-type, the type is inferred from the file")
+                  help="draft GGUF for --spec-type draft, an EAGLE-3 draft for draft-eagle3, or MTP heads (from "
+                       "`specrun extract-mtp`) for draft-mtp; without --spec-type, the type is inferred from the file")
     @click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(0), default=4096, show_default=True,
                   help="context size in tokens (0: the model's training context)")
     @click.option("-b", "--batch-size", "batch_size", type=click.IntRange(1), default=2048, show_default=True)
@@ -119,10 +119,11 @@ def model_options(f):
 
 def spec_options(f):
     @click.option("--spec-type", "spec_type", callback=_spec_type, default=None,
-                  help="comma-separated: none, draft-simple (alias draft), draft-mtp, ngram-simple; or auto "
+                  help="comma-separated: none, draft-simple (alias draft), draft-eagle3, draft-mtp, ngram-simple; or auto "
                        "(measured on this model and machine)  [default: none; with -md, the type its file holds]")
     @click.option("--spec-draft-n-max", "n_max", type=click.IntRange(1), default=3, show_default=True,
-                  help="most tokens a draft model or MTP heads draft per step (n-gram drafts: --spec-ngram-simple-size-m)")
+                  help="most tokens a draft model, EAGLE-3 draft or MTP heads draft per step (n-gram drafts: "
+                       "--spec-ngram-simple-size-m)")
     @click.option("--spec-draft-n-min", "n_min", type=click.IntRange(0), default=0, show_default=True,
                   help="drafts shorter than this are not verified")
     @click.option("--spec-draft-p-min", "p_min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
