@@ -5,18 +5,21 @@ Exact mode's decode context keeps a Q8_0 KV cache, so that a one-token decode an
 take the same flash-attention kernel (README, "Why the output is exactly the model's"). For a
 prompt that cache is the slow part: flash attention over an F16 cache runs its tiled kernel on
 many-row batches, about twice as fast over 1,500 tokens on this CPU. So a second context over the
-same weights (no second copy: the memory cost is its KV cache and compute buffer) evaluates the
-prompt's whole 512-token blocks with an F16 cache, and its sequence state is re-encoded to Q8_0
-(kernels/kvstate.py) and loaded into the exact context, which evaluates the rest of the prompt
-and everything after it.
+same weights (no second copy: the memory cost is its KV cache and compute buffer) evaluates all
+of a long prompt but its last < 64 tokens with an F16 cache, and its sequence state is re-encoded
+to Q8_0 (kernels/kvstate.py) and loaded into the exact context, which evaluates the rest of the
+prompt and everything after it.
 
 Two rules keep every result a function of the tokens alone, never of what the caches held before
 (so that the answer to a prompt is the same fresh, after a chat turn, or on a server slot that
 served another request):
-- the fast context evaluates exactly positions [0, fast_len(n)): whole blocks of 512 tokens
-  aligned at absolute positions, one llama_decode each, and never the prompt's last token;
-- it reuses only whole blocks it evaluated itself for the same tokens, and the exact context
-  reuses its cache only when it was loaded from the same fast_len (Engine._prefill).
+- the fast context evaluates exactly positions [0, fast_len(n)) as the blocks fast_blocks(n):
+  256 tokens each, then at most one of 128 and one of 64, each aligned at a multiple of its size
+  and evaluated by one llama_decode (a batch's rows are computed alike only in a batch of the
+  same shape), never the prompt's last token;
+- it reuses only leading blocks it evaluated itself, with the same bounds, for the same tokens,
+  and the exact context reuses its cache only when it was loaded from the same fast_len
+  (Engine._prefill).
 Speculative and plain decoding share this path, so speculative output still equals plain output
 token for token; what the fast rows change is the prompt's KV (F16 attention, re-quantized),
 about as much as a different KV cache type does.
@@ -32,14 +35,30 @@ from .kvstate import f16_to_q8_0
 from .llama import Context, ContextParams, Model
 from .types import common_prefix
 
-BLOCK = 512          # tokens per fast decode, aligned at absolute positions
+BLOCK = 256          # tokens per fast decode, aligned at absolute positions
+MIN_BLOCK = 64       # the smallest: flash attention's tiled kernel needs 64 rows (GGML_FA_TILE_Q)
+MIN_PROMPT = 513     # shorter prompts stay on the exact path (the hand-over's fixed costs)
 
 
 def fast_len(n_prompt: int) -> int:
-    """The prompt positions [0, fast_len) the fast context evaluates: its whole aligned blocks,
-    leaving at least the last token (whose logits start the generation) to the exact context.
-    0 below BLOCK + 1 tokens."""
-    return max(n_prompt - 1, 0) // BLOCK * BLOCK
+    """The prompt positions [0, fast_len) the fast context evaluates: all but the last
+    1..MIN_BLOCK tokens (the last one's logits start the generation), rounded down to a multiple
+    of MIN_BLOCK. 0 for prompts under MIN_PROMPT tokens."""
+    return (n_prompt - 1) // MIN_BLOCK * MIN_BLOCK if n_prompt >= MIN_PROMPT else 0
+
+
+def fast_blocks(end: int) -> list[tuple[int, int]]:
+    """[(start, size)] of the decodes that evaluate positions [0, end) (end a multiple of
+    MIN_BLOCK): blocks of BLOCK, then the largest halves that fit, each aligned at its size.
+    fast_blocks(704) == [(0, 256), (256, 256), (512, 128), (640, 64)]."""
+    assert end % MIN_BLOCK == 0, end
+    out, s, size = [], 0, BLOCK
+    while s < end:
+        while s + size > end:
+            size //= 2
+        out.append((s, size))
+        s += size
+    return out
 
 
 class FastPrefill:
@@ -47,13 +66,14 @@ class FastPrefill:
     sized to the longest head asked for so far (in steps of 2x, at most n_ctx_max), so that its
     memory follows the prompts actually given: kv_mib.
 
-    state(head) -> the exact context's state for the prompt head (len a multiple of BLOCK).
+    state(head) -> the exact context's state for the prompt head (len a multiple of MIN_BLOCK).
     """
 
     def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int]) -> None:
         self.model, self.n_ctx_max, self.n_threads, self.rot = model, n_ctx_max, n_threads, rot
         self.ctx: Context | None = None
         self.tokens: list[int] = []          # the tokens whose blocks the fast context holds
+        self.blocks: list[tuple[int, int]] = []   # their (start, size), as fast_blocks made them
         self.n_evaluated = 0                 # tokens the last state() call evaluated (not reused)
 
     @property
@@ -64,35 +84,42 @@ class FastPrefill:
         """Drop the blocks held (the context stays allocated)."""
         if self.ctx is not None:
             self.ctx.clear()
-        self.tokens = []
+        self.tokens, self.blocks = [], []
 
     def close(self) -> None:
         if self.ctx is not None:
             self.ctx.close()
-        self.ctx, self.tokens = None, []
+        self.ctx, self.tokens, self.blocks = None, [], []
 
     def state(self, head: np.ndarray, cancel: Callable[[], bool]) -> bytes | None:
-        """Evaluate head (int32 [k * BLOCK]) block by block, reusing the leading blocks already held
-        for the same tokens, and return seq 0's state re-encoded for the exact (Q8_0) context.
-        None when cancel() returned True between two blocks (the blocks done are kept).
-        Raises KVStateError / LlamaError when the hand-over cannot work for this model."""
-        assert len(head) % BLOCK == 0 and len(head) < self.n_ctx_max, len(head)
+        """Evaluate head (int32 [fast_len]) as fast_blocks(len(head)), reusing the leading blocks
+        already held with the same bounds and tokens, and return seq 0's state re-encoded for the
+        exact (Q8_0) context. None when cancel() returned True between two blocks (the blocks done
+        are kept). Raises KVStateError / LlamaError when the hand-over cannot work for this model."""
+        assert len(head) % MIN_BLOCK == 0 and len(head) < self.n_ctx_max, len(head)
         if self.ctx is None or self.ctx.n_ctx < len(head):
             n_ctx = min(max(len(head), 2 * self.ctx.n_ctx if self.ctx else 0), self.n_ctx_max)
             self.close()
             self.ctx = Context(self.model, ContextParams(n_ctx=n_ctx, n_batch=BLOCK, n_ubatch=BLOCK,
                                                          n_threads=self.n_threads, kv_f16=True))
-        keep = min(common_prefix(self.tokens, head), len(head)) // BLOCK * BLOCK
+        blocks = fast_blocks(len(head))
+        same = common_prefix(self.tokens, head)
+        n_keep = 0                           # leading blocks held as a fresh evaluation makes them
+        while (n_keep < min(len(blocks), len(self.blocks)) and self.blocks[n_keep] == blocks[n_keep]
+               and sum(blocks[n_keep]) <= same):
+            n_keep += 1
+        keep = blocks[n_keep - 1][0] + blocks[n_keep - 1][1] if n_keep else 0
         if keep < len(self.tokens):
             if not self.ctx.seq_rm(keep, -1):
                 self.ctx.clear()
-                keep = 0
+                keep, n_keep = 0, 0
             del self.tokens[keep:]
+        del self.blocks[n_keep:]
         self.n_evaluated = len(head) - keep
-        for s in range(keep, len(head), BLOCK):
-            self.ctx.decode(head[s:s + BLOCK], s, "none")
-            self.tokens.extend(head[s:s + BLOCK].tolist())
-            if s + BLOCK < len(head) and cancel():
+        for i, (s, size) in enumerate(blocks[n_keep:], n_keep):
+            self.ctx.decode(head[s:s + size], s, "none")
+            self.tokens.extend(head[s:s + size].tolist())
+            self.blocks.append((s, size))
+            if i + 1 < len(blocks) and cancel():
                 return None
         return f16_to_q8_0(self.ctx.state_get(), self.rot)
-

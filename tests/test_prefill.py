@@ -19,7 +19,7 @@ from specrun.kernels.drafters import DraftModel
 from specrun.kernels.engine import Engine
 from specrun.kernels.kvstate import KVStateError, f16_to_q8_0, hadamard, quantize_q8_0
 from specrun.kernels.params import EngineParams, SpecParams
-from specrun.kernels.prefill import BLOCK, fast_len
+from specrun.kernels.prefill import BLOCK, MIN_BLOCK, fast_blocks, fast_len
 from specrun.kernels.types import SamplingParams
 
 _CODE = (Path(__file__).parent / "data" / "copy_source.txt").read_text()
@@ -29,11 +29,36 @@ SEEDED = SamplingParams(temp=0.8, seed=77)
 
 # ---- units -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 0), (512, 0), (513, 512), (1024, 512), (1025, 1024),
-                                         (1600, 1536)])
-def test_fast_len_whole_blocks_and_never_the_last_token(n, want):
+@pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 0), (512, 0), (513, 512), (514, 512), (577, 576),
+                                         (1024, 960), (1025, 1024), (1100, 1088), (1600, 1536)])
+def test_fast_len_all_but_the_last_tokens(n, want):
     assert fast_len(n) == want
-    assert fast_len(n) % BLOCK == 0 and fast_len(n) <= max(n - 1, 0)
+    assert fast_len(n) % MIN_BLOCK == 0 and fast_len(n) <= max(n - 1, 0)
+    assert fast_len(n) == 0 or n - fast_len(n) <= MIN_BLOCK
+
+
+@pytest.mark.parametrize(("end", "want"), [
+    (0, []),
+    (64, [(0, 64)]),
+    (192, [(0, 128), (128, 64)]),
+    (704, [(0, 256), (256, 256), (512, 128), (640, 64)]),
+    (1088, [(0, 256), (256, 256), (512, 256), (768, 256), (1024, 64)]),
+])
+def test_fast_blocks_by_hand(end, want):
+    assert fast_blocks(end) == want
+
+
+@pytest.mark.parametrize("end", range(0, 4097, MIN_BLOCK))
+def test_fast_blocks_cover_aligned_and_are_a_prefix_of_longer_ones(end):
+    """Contiguous from 0 to end, each aligned at a multiple of its size, at most one block under
+    BLOCK of each size; every whole-BLOCK block of a shorter prompt is one of a longer one's."""
+    b = fast_blocks(end)
+    assert [s for s, _ in b] == [0, *(s + n for s, n in b[:-1])][:len(b)] and sum(n for _, n in b) == end
+    assert all(s % n == 0 and n in (BLOCK, BLOCK // 2, MIN_BLOCK) for s, n in b)
+    small = [n for _, n in b if n < BLOCK]
+    assert len(small) == len(set(small)) and small == sorted(small, reverse=True)
+    whole = [x for x in b if x[1] == BLOCK]
+    assert fast_blocks(end + BLOCK)[:len(whole)] == whole
 
 
 def test_quantize_q8_0_by_hand():
@@ -127,7 +152,7 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     fast.reset()
     fast.fast.close()
     _, _, st = _run(fast, P["two_blocks"], 4)
-    assert (st.n_prompt_fast, st.n_prompt) == (1024, 1100) and st.fast_kv_mib > 0
+    assert (st.n_prompt_fast, st.n_prompt) == (1088, 1100) and st.fast_kv_mib > 0
     assert "through the fast prompt context" in st.lines()[0]
     _, _, st = _run(slow, P["two_blocks"], 4)
     assert st.n_prompt_fast == 0 and slow.fast is None
@@ -145,7 +170,7 @@ def test_result_depends_on_the_tokens_only(engines):
     fast.reset()
     ref = _run(fast, prompt)[:2]
     assert _run(fast, prompt)[:2] == ref                           # the same prompt again: all reused
-    # after a shorter prompt (fast_len 512) and a short one (none)
+    # after a shorter prompt (fast_len 640: a 128-token block where this one has 256) and a short one (none)
     for other in (P["one_block"], P["short"]):
         fast.reset()
         _run(fast, other, 8)
@@ -159,14 +184,18 @@ def test_result_depends_on_the_tokens_only(engines):
     fast.reset()
     fast.fast.close()                                               # nothing held anywhere
     assert _run(fast, follow)[:2] == incremental
-    # crossing into a new block: 1030 -> 1600 tokens, reusing the first blocks of the fast context
+    # growing: 1030 -> 1619 tokens reuses the first 4 blocks of the fast context; 1100 -> 1619 too, and
+    # evaluates [1024, 1088) again as part of a 256-token block
     long = np.concatenate([prompt, prompt[1:520]])
-    fast.reset()
-    _run(fast, long[:1030], 4)
-    inc = _run(fast, long)[:2]
+    assert fast_blocks(fast_len(len(long)))[4] == (1024, 256)
     fast.reset()
     fast.fast.close()
-    assert _run(fast, long)[:2] == inc
+    ref = _run(fast, long)[:2]
+    for first in (1030, 1100):
+        fast.reset()
+        _run(fast, long[:first], 4)
+        assert _run(fast, long)[:2] == ref, first
+        assert fast.fast.n_evaluated == fast_len(len(long)) - 1024
 
 
 @pytest.mark.slow
