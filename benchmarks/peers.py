@@ -13,7 +13,9 @@ workload once (warm-up), then --reps rounds over the workloads, stop the server.
 an unrelated 800-token prompt (1 token asked) leaves nothing of the last prompt to reuse, so both
 servers evaluate every prompt in full (llama-server also gets cache_prompt false); a request that
 reused some, or that ran while other work took more than --max-busy of the CPUs, is measured again. Requests are greedy (temperature 0),
-n_predict 128. Speeds are each server's own `timings` (prompt_per_second, predicted_per_second),
+n_predict 128. The EAGLE-3 rows run on a synthetic pair that `specrun make-test-model --eagle3` writes
+under build/peers/models (a 24-layer llama bigram target, n_embd 512, q8_0, and its exact eagle3 draft:
+llama.cpp accepts every greedy draft), with the same -md flags for both servers. Speeds are each server's own `timings` (prompt_per_second, predicted_per_second),
 median over the reps; `× none` is a system's median over its own `none` median, `= none` whether
 every rep's text equals that system's own `none` text. Writes benchmarks/results/peers.json (every
 request) and peers.md (the table); --readme puts the table between README.md's peers markers.
@@ -43,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "benchmarks" / "prompts"
 RESULTS = ROOT / "benchmarks" / "results"
 LOGS = ROOT / "build" / "peers" / "logs"
+MODELS = ROOT / "build" / "peers" / "models"
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 SYSTEMS = ("specrun", "llama-server")
 # Sent (1 token asked) before every measured request: specrun reuses the slot's KV prefix whatever
@@ -62,8 +65,18 @@ class Workload:
 @dataclass(frozen=True)
 class Setting:
     name: str
-    args: tuple[str, ...]                 # the same flags for both servers
+    args: tuple[str, ...]                 # the same flags for both servers; {eagle3}: the synthetic draft's path
     systems: tuple[str, ...] = SYSTEMS
+    models: tuple[str, ...] | None = None   # only these models; None: the registry models (and `none` everywhere)
+
+    def applies(self, model: str) -> bool:
+        if self.models is not None:
+            return model in self.models
+        return self.name == "none" or not model.startswith(SYNTHETIC)
+
+
+SYNTHETIC = "synthetic:"
+EAGLE3_MODEL = SYNTHETIC + "eagle3-realistic"     # `specrun make-test-model T --eagle3 D --quant q8_0`
 
 
 WORKLOADS = (
@@ -76,6 +89,8 @@ WORKLOADS = (
     Workload("chat-reuse", "smollm2-135m-instruct", "chat_reuse.txt", "chat: repeat a paragraph corrected, then list its sentences"),
     Workload("code-rewrite-smollm2", "smollm2-135m-instruct", "code_rewrite.txt", "the code rewrite on SmolLM2"),
     Workload("long-prompt-smollm2", "smollm2-135m-instruct", "long_prompt.txt", "the long log on SmolLM2"),
+    Workload("eagle3-free", EAGLE3_MODEL, "free.txt", "free text on the synthetic 24-layer llama target with its "
+             "exact EAGLE-3 draft"),
 )
 PEER_SETTINGS = ("none", "ngram-simple", "ngram-simple n3 m16")   # issue 12: auto >= llama-server's best of these
 NGRAM = ("--spec-type", "ngram-simple")
@@ -85,6 +100,8 @@ SETTINGS = (
     Setting("ngram-simple n3 m16", NGRAM + ("--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "16",
                                             "--spec-draft-n-max", "16")),
     Setting("auto", ("--spec-type", "auto"), ("specrun",)),
+    *(Setting(f"draft-eagle3 n-max {k}", ("-md", "{eagle3}", "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k)),
+              models=(EAGLE3_MODEL,)) for k in (3, 7)),
 )
 
 
@@ -109,9 +126,21 @@ def http(url: str, body: dict | None = None, timeout: float = 600.0) -> tuple[in
 
 def server_command(system: str, model: str, path: str, setting: Setting, port: int, args) -> list[str]:
     common = ["-t", str(args.threads), "-c", str(args.ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(port)]
+    flags = [a.replace("{eagle3}", str(synthetic_eagle3(args.specrun)[1])) if "{eagle3}" in a else a
+             for a in setting.args]
     if system == "specrun":
-        return [args.specrun, "serve", "-m", model, *common, *setting.args]
-    return [args.llama_server, "-m", path, *common, *setting.args]
+        return [args.specrun, "serve", "-m", path if model.startswith(SYNTHETIC) else model, *common, *flags]
+    return [args.llama_server, "-m", path, *common, *flags]
+
+
+def synthetic_eagle3(specrun: str) -> tuple[Path, Path]:
+    """The realistic synthetic target and its exact EAGLE-3 draft, written once (deterministic)."""
+    target, draft = MODELS / "eagle3-target-q8_0.gguf", MODELS / "eagle3-draft-q8_0.gguf"
+    if not (target.is_file() and draft.is_file()):
+        MODELS.mkdir(parents=True, exist_ok=True)
+        subprocess.run([specrun, "make-test-model", str(target), "--eagle3", str(draft), "--shape", "realistic",
+                        "--head", "exact", "--quant", "q8_0"], check=True, timeout=600)
+    return target, draft
 
 
 @contextmanager
@@ -204,6 +233,8 @@ def complete(url: str, prompt: str, n_predict: int) -> dict:
 
 
 def model_path(specrun: str, name: str) -> str:
+    if name == EAGLE3_MODEL:
+        return str(synthetic_eagle3(specrun)[0])
     r = subprocess.run([specrun, "inspect", name, "--json"], capture_output=True, text=True, check=True, timeout=300)
     return json.loads(r.stdout)["path"]
 
@@ -219,7 +250,7 @@ def run(args) -> dict:
     for model in dict.fromkeys(w.model for w in workloads):
         path = model_path(args.specrun, model)
         mine = [w for w in workloads if w.model == model]
-        for setting in settings:
+        for setting in (s for s in settings if s.applies(model)):
             for system in (s for s in systems if s in setting.systems):
                 cmd = server_command(system, model, path, setting, free_port(), args)
                 log = LOGS / f"{system}-{model}-{setting.name.replace(' ', '_')}.log"

@@ -94,3 +94,12 @@ def test_other_work_share_leaves_out_the_server():
     # all CPUs: 100 ticks, 70 busy, of which the server's own 30: other work took 40 %
     assert peers.others_share(((100, 50), (0, 10)), ((200, 120), (0, 40))) == pytest.approx(0.4)
     assert peers.others_share(((100, 50), (0, 10)), ((200, 60), (0, 25))) == 0.0      # never below 0
+
+
+def test_eagle3_settings_run_on_the_synthetic_pair_only():
+    e3 = [s for s in peers.SETTINGS if s.name.startswith("draft-eagle3")]
+    assert e3 and all(s.applies(peers.EAGLE3_MODEL) and not s.applies("gemma-3-270m") for s in e3)
+    none, ngram = (next(s for s in peers.SETTINGS if s.name == n) for n in ("none", "ngram-simple"))
+    assert none.applies(peers.EAGLE3_MODEL) and none.applies("gemma-3-270m")
+    assert ngram.applies("gemma-3-270m") and not ngram.applies(peers.EAGLE3_MODEL)
+    assert any(w.model == peers.EAGLE3_MODEL for w in peers.WORKLOADS)
