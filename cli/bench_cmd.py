@@ -35,14 +35,14 @@ from specrun.kernels.calibrate import GREEDY, VERIFY_ROWS, VerifyCost, measure_v
 from specrun.kernels.chat_template import TemplateError
 from specrun.kernels.drafters import draft_n_max
 from specrun.kernels.engine import Engine
-from specrun.kernels.params import SpecParams, parse_spec_types
+from specrun.kernels.params import NGRAM_TYPES, SpecParams, parse_spec_types
 from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams
 
 from .runtime.chat import ChatFormat
 from .runtime.console import err_console, handle_errors, setup_logging
 from .runtime.loading import available_types, open_engine, prepare
-from .runtime.options import engine_params, model_options
+from .runtime.options import engine_params, model_options, ngram_family_options, ngram_family_params
 from .runtime.prompts import BUILTIN, CHAT_MESSAGE, PROMPTS, read_prompt
 
 VERIFY_REPS = 5
@@ -284,10 +284,12 @@ def plot(res: BenchResult, path: str) -> None:
 # ---- the command ---------------------------------------------------------------------------------
 
 
-def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int) -> list[Setting]:
+def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int,
+                   family: dict | None = None) -> list[Setting]:
     """'none,ngram-simple,draft-mtp' x '1,3' -> none first, then each type at each n-max.
-    'a+b' is a combination (llama.cpp's order: n-grams first). ngram-simple alone runs once: its
-    drafts are bounded by size_m, not by an n-max (llama.cpp's semantics)."""
+    'a+b' is a combination (llama.cpp's order: n-grams first). n-gram types alone run once: their
+    drafts are bounded by their own flags (size_m...), not by an n-max (llama.cpp's semantics).
+    family: the other n-gram types' SpecParams fields (options.ngram_family_params)."""
     try:
         n_maxes = list(dict.fromkeys(int(x) for x in n_max_text.split(",") if x.strip()))
     except ValueError:
@@ -307,8 +309,8 @@ def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int)
         if not types or types in seen:
             continue
         seen.add(types)
-        out += [Setting(SpecParams(types=types, n_max=k, ngram_size_n=ngram_n, ngram_size_m=ngram_m))
-                for k in (n_maxes if types != ("ngram-simple",) else n_maxes[:1])]
+        out += [Setting(SpecParams(types=types, n_max=k, ngram_size_n=ngram_n, ngram_size_m=ngram_m, **(family or {})))
+                for k in (n_maxes if not set(types) <= set(NGRAM_TYPES) else n_maxes[:1])]
     return out
 
 
@@ -367,6 +369,7 @@ def _out_console(to_stderr: bool) -> Console:
               help="comma-separated draft lengths; each spec type runs at each")
 @click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=12, show_default=True)
 @click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=48, show_default=True)
+@ngram_family_options
 @click.option("-p", "--prompt", default=None, help="one prompt text instead of the built-in prompts")
 @click.option("-f", "--file", "file", default=None, help="read one prompt from a file (- for stdin)")
 @click.option("--prompts", "prompt_names", default=None,
@@ -393,14 +396,16 @@ def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_pred
     params = engine_params(kw, SpecParams())
     if spec_type is None:
         model, params = prepare(kw["model"], params)
-        spec_type = ",".join(("none", *available_types(model, params.draft_model)))
-    settings = parse_settings(spec_type, n_max, ngram_n, ngram_m)
+        spec_type = ",".join(("none", *(t for t in available_types(model, params.draft_model)
+                                        if t == "ngram-simple" or t not in NGRAM_TYPES)))
+    family = ngram_family_params(kw)
+    settings = parse_settings(spec_type, n_max, ngram_n, ngram_m, family)
     chosen = _prompt_choice(prompt, file, prompt_names)
     union = tuple(dict.fromkeys(t for s in settings for t in s.spec.types))
     if "draft-simple" in union and not kw["model_draft"]:
         raise click.UsageError("--spec-type draft-simple needs -md/--model-draft DRAFT.gguf")
     spec = SpecParams(types=parse_spec_types(",".join(union)) if union else (),
-                      n_max=max(s.spec.n_max for s in settings), ngram_size_n=ngram_n, ngram_size_m=ngram_m)
+                      n_max=max(s.spec.n_max for s in settings), ngram_size_n=ngram_n, ngram_size_m=ngram_m, **family)
     sampling = SamplingParams(temp=temp, seed=seed)
     with open_engine(kw["model"], replace(params, spec=spec)) as engine:
         prompts = _prompts(engine, chosen)

@@ -23,7 +23,8 @@ from .runtime.options import AUTO, chat_model, engine_params, sampling_params
 HELP = """\
 /help          this list
 /stats         statistics of the last answer and of the session
-/spec TYPE     switch the speculative decoding type (none, ngram-simple, draft, draft-eagle3, draft-mtp; comma-separated)
+/spec TYPE     switch the speculative decoding type (none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod,
+               ngram-cache, draft, draft-eagle3, draft-mtp; comma-separated)
 /reset         forget the conversation (keeps the system prompt)
 /save FILE     write the conversation as JSON
 /load FILE     replace the conversation with one saved by /save

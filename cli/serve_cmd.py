@@ -18,6 +18,8 @@ from dataclasses import replace
 
 import click
 
+from specrun.kernels.params import NGRAM_TYPES
+
 from .runtime.auto import resolve_auto
 from .runtime.console import err_console, handle_errors, setup_logging
 from .runtime.loading import open_engines
@@ -173,7 +175,7 @@ class _Loader(threading.Thread):
                     flag = "--chat-template" if opt["chat_template"] else "--chat-template-file"
                     raise TemplateError(f"{flag} {opt['chat_template'] or opt['chat_template_file']}: {e}") from None
                 reason = str(e)
-            spec_types = ["none", "ngram-simple"]
+            spec_types = ["none", *NGRAM_TYPES]
             if "draft-simple" in params.spec.types:
                 spec_types.append("draft-simple")
             if "draft-eagle3" in params.spec.types:

@@ -48,7 +48,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from .drafters import draft_n_max
 from .llama import MAX_EXACT_BATCH
-from .params import SpecParams
+from .params import NGRAM_TYPES, SpecParams
 from .types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -208,13 +208,20 @@ def setting_name(spec: SpecParams) -> str:
         return "none"
     if spec.types == ("ngram-simple",):
         return f"ngram-simple size-n {spec.ngram_size_n} size-m {spec.ngram_size_m}"
+    if spec.types in (("ngram-map-k",), ("ngram-map-k4v",)):
+        p = spec.ngram_map_k if spec.types[0] == "ngram-map-k" else spec.ngram_map_k4v
+        return f"{spec.types[0]} size-n {p.size_n} size-m {p.size_m}" + (f" min-hits {p.min_hits}" * (p.min_hits > 1))
+    if spec.types == ("ngram-mod",):
+        return f"ngram-mod n-match {spec.ngram_mod.n_match} n-min {spec.ngram_mod.n_min} n-max {spec.ngram_mod.n_max}"
+    if spec.types == ("ngram-cache",):
+        return "ngram-cache"
     return f"{'+'.join(spec.types)} n-max {spec.n_max}"
 
 
 def _probe_specs(spec: SpecParams) -> list[SpecParams]:
     """A drafter's probes: a model drafter at n_max 1 and at its own n_max; n-grams as they are
-    (their drafts are copies of size_n..size_m tokens: no n-max to vary)."""
-    if spec.types == ("ngram-simple",):
+    (their drafts are bounded by their own flags: no n-max to vary)."""
+    if spec.types[0] in NGRAM_TYPES:
         return [spec]
     return [replace(spec, n_max=k) for k in sorted({1, spec.n_max})]
 

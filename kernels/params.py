@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 from specrun.gguf_spec.errors import SpecrunError
 
-SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "ngram-simple")
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # no model needed
+SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", *NGRAM_TYPES)
 SPEC_ALIASES = {"draft": "draft-simple"}
-_ORDER = {"ngram-simple": 0, "draft-simple": 1, "draft-eagle3": 2, "draft-mtp": 3}  # llama.cpp: n-grams first
+# llama.cpp's common_speculative_init: the n-grams first, in this order, then the model drafters
+_ORDER = {t: i for i, t in enumerate((*NGRAM_TYPES, "draft-simple", "draft-eagle3", "draft-mtp"))}
 
 
 def parse_spec_types(text: str) -> tuple[str, ...]:
@@ -29,8 +31,34 @@ def parse_spec_types(text: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class NgramMapParams:
+    """--spec-ngram-map-k-* / --spec-ngram-map-k4v-* (llama.cpp's common_params_speculative_ngram_map)."""
+
+    size_n: int = 12     # the key: the last size_n tokens
+    size_m: int = 48     # the value: the size_m tokens after an earlier occurrence; bounds the draft
+    min_hits: int = 1    # k4v: lookups of a key before it drafts (ngram-map-k does not read it, as llama.cpp)
+
+
+@dataclass(frozen=True, slots=True)
+class NgramModParams:
+    """--spec-ngram-mod-* (llama.cpp's common_params_speculative_ngram_mod)."""
+
+    n_match: int = 24    # the hashed n-gram's length
+    n_min: int = 48      # a chain of lookups that stops before n_min tokens drafts nothing
+    n_max: int = 64      # the longest chain (the draft's bound)
+
+
+@dataclass(frozen=True, slots=True)
+class NgramCacheParams:
+    """-lcs / -lcd: n-gram cache files made by llama.cpp's llama-lookup-create (read only)."""
+
+    lookup_cache_static: str | None = None
+    lookup_cache_dynamic: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SpecParams:
-    """llama.cpp's --spec-* options (defaults as its common.h)."""
+    """llama.cpp's --spec-* options (defaults as its common.h). ngram_size_* are ngram-simple's."""
 
     types: tuple[str, ...] = ()
     n_max: int = 3
@@ -39,6 +67,10 @@ class SpecParams:
     ngram_size_n: int = 12
     ngram_size_m: int = 48
     ngram_min_hits: int = 1
+    ngram_map_k: NgramMapParams = NgramMapParams()
+    ngram_map_k4v: NgramMapParams = NgramMapParams()
+    ngram_mod: NgramModParams = NgramModParams()
+    ngram_cache: NgramCacheParams = NgramCacheParams()
     verify: str = "auto"       # auto | match | rejection
     adaptive: bool = False     # each step's draft length from acceptance and pass cost (kernels/draftlen), 1..n_max
 

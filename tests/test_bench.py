@@ -395,6 +395,7 @@ def test_auto_chooses_draft_mtp_when_it_is_clearly_faster(real_mtp, capsys):
 
 
 def test_available_types(tiny_mtp, smollm_path):
-    assert available_types(tiny_mtp, None) == ("ngram-simple", "draft-mtp")
-    assert available_types(smollm_path, None) == ("ngram-simple",)
-    assert available_types(smollm_path, smollm_path) == ("ngram-simple", "draft-simple")
+    ngrams = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")   # need no file
+    assert available_types(tiny_mtp, None) == (*ngrams, "draft-mtp")
+    assert available_types(smollm_path, None) == ngrams
+    assert available_types(smollm_path, smollm_path) == (*ngrams, "draft-simple")

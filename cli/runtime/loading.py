@@ -19,7 +19,7 @@ from specrun.gguf_spec.compat import check_eagle3_compatible, eagle3_problem
 from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import ModelSpec, load_spec
 from specrun.kernels.engine import Engine
-from specrun.kernels.params import EngineParams
+from specrun.kernels.params import NGRAM_TYPES, EngineParams
 
 from .console import err_console, exit_on_interrupt, note, resolve
 from .options import AUTO, INFER
@@ -34,7 +34,7 @@ def types_for(model: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:
     """The spec types a model (and an -md file) allow, in llama.cpp's order: the n-gram types
     always; draft-simple when -md is a whole model; draft-eagle3 when -md is an EAGLE-3 draft that
     fits the model; draft-mtp when the model (or -md, a heads-only file) has MTP heads."""
-    types = ["ngram-simple"]     # llama.cpp's other n-gram types join here with their drafters
+    types = list(NGRAM_TYPES)
     if draft is not None:
         if draft.is_eagle3:
             if check_eagle3_compatible(model, draft).ok:

@@ -18,7 +18,14 @@ from click.core import ParameterSource
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.constrain import check_controls
 from specrun.kernels.grammar import GrammarError, check_grammar, schema_to_gbnf
-from specrun.kernels.params import EngineParams, SpecParams, parse_spec_types
+from specrun.kernels.params import (
+    EngineParams,
+    NgramCacheParams,
+    NgramMapParams,
+    NgramModParams,
+    SpecParams,
+    parse_spec_types,
+)
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
 from .console import note
@@ -117,9 +124,45 @@ def model_options(f):
     return wrapper
 
 
+def ngram_family_options(f):
+    """llama.cpp's flags of ngram-map-k, ngram-map-k4v, ngram-mod and ngram-cache (common/arg.cpp: its
+    spellings, defaults and ranges); read with ngram_family_params."""
+    size = click.IntRange(1, 1024)
+    f = click.option("-lcd", "--lookup-cache-dynamic", "lookup_dynamic", default=None, metavar="FNAME",
+                     type=click.Path(exists=True, dir_okay=False),
+                     help="ngram-cache: an n-gram cache file (llama-lookup-create) checked strictly; read only")(f)
+    f = click.option("-lcs", "--lookup-cache-static", "lookup_static", default=None, metavar="FNAME",
+                     type=click.Path(exists=True, dir_okay=False),
+                     help="ngram-cache: an n-gram cache file (llama-lookup-create) that validates drafts")(f)
+    for name, default, lo, what in (("n-max", 64, 0, "the longest chain of lookups (its draft's bound)"),
+                                    ("n-min", 48, 0, "a chain that breaks before N tokens drafts nothing"),
+                                    ("n-match", 24, 1, "the length of the hashed n-grams")):
+        f = click.option(f"--spec-ngram-mod-{name}", f"mod_{name.replace('-', '_')}", type=click.IntRange(lo, 1024),
+                         default=default, show_default=True, help=f"ngram-mod: {what}")(f)
+    for t in ("k4v", "k"):
+        f = click.option(f"--spec-ngram-map-{t}-min-hits", f"map_{t}_hits", type=click.IntRange(1), default=1,
+                         show_default=True, help=f"ngram-map-{t}: lookups of a key before it drafts" +
+                         (" (accepted; llama.cpp's ngram-map-k does not read it)" if t == "k" else ""))(f)
+        f = click.option(f"--spec-ngram-map-{t}-size-m", f"map_{t}_m", type=size, default=48, show_default=True,
+                         help=f"ngram-map-{t}: the most tokens drafted after a key (its draft's bound)")(f)
+        f = click.option(f"--spec-ngram-map-{t}-size-n", f"map_{t}_n", type=size, default=12, show_default=True,
+                         help=f"ngram-map-{t}: the key, the last N tokens looked up")(f)
+    return f
+
+
+def ngram_family_params(kw: dict) -> dict:
+    """ngram_family_options' values as SpecParams fields."""
+    return dict(ngram_map_k=NgramMapParams(kw.get("map_k_n", 12), kw.get("map_k_m", 48), kw.get("map_k_hits", 1)),
+                ngram_map_k4v=NgramMapParams(kw.get("map_k4v_n", 12), kw.get("map_k4v_m", 48),
+                                             kw.get("map_k4v_hits", 1)),
+                ngram_mod=NgramModParams(kw.get("mod_n_match", 24), kw.get("mod_n_min", 48), kw.get("mod_n_max", 64)),
+                ngram_cache=NgramCacheParams(kw.get("lookup_static"), kw.get("lookup_dynamic")))
+
+
 def spec_options(f):
     @click.option("--spec-type", "spec_type", callback=_spec_type, default=None,
-                  help="comma-separated: none, draft-simple (alias draft), draft-eagle3, draft-mtp, ngram-simple; or auto "
+                  help="comma-separated: none, draft-simple (alias draft), draft-eagle3, draft-mtp, ngram-simple, "
+                       "ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache; or auto "
                        "(measured on this model and machine)  [default: none; with -md, the type its file holds]")
     @click.option("--spec-draft-n-max", "n_max", type=click.IntRange(1), default=3, show_default=True,
                   help="most tokens a draft model, EAGLE-3 draft or MTP heads draft per step (n-gram drafts: "
@@ -133,6 +176,7 @@ def spec_options(f):
     @click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=48, show_default=True,
                   help="n-gram drafts: the most tokens copied after the match (an n-gram draft's length bound)")
     @click.option("--spec-ngram-simple-min-hits", "ngram_hits", type=click.IntRange(1), default=1, show_default=True)
+    @ngram_family_options
     @click.option("--spec-verify", "verify", type=click.Choice(["auto", "match", "rejection"]), default="auto",
                   show_default=True, help="rejection = speculative sampling when the drafter has a distribution")
     @click.option("--spec-draft-adaptive", "adaptive", is_flag=True,
@@ -257,7 +301,7 @@ def spec_params(kw: dict) -> SpecParams:
     return SpecParams(types=kw.get("spec_type", ()), n_max=kw.get("n_max", 3), n_min=kw.get("n_min", 0),
                       p_min=kw.get("p_min", 0.0), ngram_size_n=kw.get("ngram_n", 12),
                       ngram_size_m=kw.get("ngram_m", 48), ngram_min_hits=kw.get("ngram_hits", 1),
-                      verify=kw.get("verify", "auto"), adaptive=kw.get("adaptive", False))
+                      verify=kw.get("verify", "auto"), adaptive=kw.get("adaptive", False), **ngram_family_params(kw))
 
 
 def unapplied(kw: dict) -> list[str]:

@@ -1,6 +1,10 @@
 """The drafters, one small file each, and the one factory that builds them from a spec type.
 
     ngram_simple.py   ngram-simple   copies what followed the last earlier occurrence of the last n tokens
+    ngram_map.py      ngram-map-k    the same through a hash table of keys, each draft as long as the key's last accepted
+                      ngram-map-k4v  ... and only when one of the (up to 4) m-grams after the key dominates
+    ngram_mod.py      ngram-mod      a pool of 2^22 hashed n-grams -> next token, chained token by token
+    ngram_cache.py    ngram-cache    the most frequent next token after the last 4..1 tokens (+ -lcs/-lcd files)
     draft_model.py    draft-simple   a second, smaller GGUF drafting in its own context
     draft_eagle3.py   draft-eagle3   an EAGLE-3 draft (-md), fed three of the target's layers
     draft_mtp.py      draft-mtp      the MTP (NextN) heads stored in the GGUF, fed the target's hidden rows
@@ -19,23 +23,32 @@ from .base import TargetView
 from .draft_eagle3 import DraftEagle3
 from .draft_model import DraftModel
 from .draft_mtp import DraftMTP
+from .ngram_cache import N_DRAFT, NgramCache
+from .ngram_map import NgramMapK, NgramMapK4V
+from .ngram_mod import NgramMod
 from .ngram_simple import NgramSimple
 
-__all__ = ["DraftEagle3", "DraftMTP", "DraftModel", "NgramSimple", "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
+__all__ = ["DraftEagle3", "DraftMTP", "DraftModel", "NgramCache", "NgramMapK", "NgramMapK4V", "NgramMod", "NgramSimple",
+           "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
 
 
 def draft_n_max(spec_type: str, spec: SpecParams) -> int:
     """The longest draft of a drafter, as llama.cpp bounds it (common_speculative_n_max): an n-gram
-    draft is a copy of size_n..size_m tokens (--spec-ngram-simple-size-m), a model drafts at most
-    --spec-draft-n-max tokens. The engine adds its own bounds (context room, tokens left, its cap)."""
-    return spec.ngram_size_m if spec_type == "ngram-simple" else spec.n_max
+    drafter's own bound (ngram-simple / map-k / map-k4v: their size_m, ngram-mod: --spec-ngram-mod-n-max,
+    ngram-cache: 8), a model drafts at most --spec-draft-n-max tokens. The engine adds its own
+    bounds (context room, tokens left, its cap)."""
+    return {"ngram-simple": spec.ngram_size_m, "ngram-map-k": spec.ngram_map_k.size_m,
+            "ngram-map-k4v": spec.ngram_map_k4v.size_m, "ngram-mod": spec.ngram_mod.n_max,
+            "ngram-cache": N_DRAFT}.get(spec_type, spec.n_max)
 
 
 def drafter_key(spec_type: str, spec: SpecParams) -> tuple:
     """The settings that make two drafters of a type different (an engine caches one per key)."""
     if spec_type == "ngram-simple":
         return (spec_type, spec.ngram_size_n, spec.ngram_size_m)
-    return (spec_type,)
+    own = {"ngram-map-k": spec.ngram_map_k, "ngram-map-k4v": spec.ngram_map_k4v, "ngram-mod": spec.ngram_mod,
+           "ngram-cache": spec.ngram_cache}.get(spec_type)
+    return (spec_type,) if own is None else (spec_type, own)
 
 
 def make_drafter(spec_type: str, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
@@ -45,6 +58,13 @@ def make_drafter(spec_type: str, target: TargetView, spec: SpecParams, *, draft_
     loaded)."""
     if spec_type == "ngram-simple":
         return NgramSimple(spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits)
+    if spec_type in ("ngram-map-k", "ngram-map-k4v"):
+        p = spec.ngram_map_k if spec_type == "ngram-map-k" else spec.ngram_map_k4v
+        return (NgramMapK if spec_type == "ngram-map-k" else NgramMapK4V)(p.size_n, p.size_m, p.min_hits)
+    if spec_type == "ngram-mod":
+        return NgramMod(spec.ngram_mod.n_match, spec.ngram_mod.n_min, spec.ngram_mod.n_max)
+    if spec_type == "ngram-cache":
+        return NgramCache(spec.ngram_cache.lookup_cache_static, spec.ngram_cache.lookup_cache_dynamic)
     if spec_type == "draft-simple":
         if not draft_path:
             raise SpecrunError("--spec-type draft needs a draft model: add -md DRAFT.gguf "

@@ -1,15 +1,17 @@
-"""What every drafter shares: the narrow view of the target it is built with, and the rule
-that turns a drafter's logits into one drafted token."""
+"""What every drafter shares: the narrow view of the target it is built with, the rule that
+turns a drafter's logits into one drafted token, and the n-gram drafters' index of the history and
+their way to tell which verify pass was theirs."""
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..llama import Context, Model
 from ..sampling import inverse_cdf, position_rng, transform
-from ..types import SamplingParams
+from ..types import SamplingParams, TargetPass
 
 _DRAFT_STREAM = 3  # random stream of draft sampling, apart from the target's (0, 1, 2)
 
@@ -49,3 +51,60 @@ def draft_token(logits: np.ndarray, sampling: SamplingParams | None, p_min: floa
         return int(inverse_cdf(q, u)), q.astype(np.float32)
     tok, p = softmax_max(logits) if p_min > 0 else (int(np.argmax(logits)), 1.0)
     return (None, None) if p < p_min else (tok, None)
+
+
+class NgramIndex:
+    """Start positions of every n-gram (n tokens) of a token history, ascending, so that a lookup
+    is a dict access and a bisect instead of llama.cpp's backward scan.
+
+    sync(ctx) makes it cover ctx int32 [L] (every start j with j + n <= L): incrementally when ctx
+    extends the history it covers, else rebuilt; returns True when it was rebuilt."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._seen = np.zeros(0, dtype=np.int32)   # int32 [n_seen]: the history covered
+        self._starts: dict[bytes, list[int]] = {}
+
+    def sync(self, ctx: np.ndarray) -> bool:
+        n, n_seen = self.n, self._seen.shape[0]
+        rebuilt = not (ctx.shape[0] >= n_seen and np.array_equal(ctx[:n_seen], self._seen))
+        if rebuilt:
+            self._starts = {}
+        starts = self._starts
+        for j in range(0 if rebuilt else max(0, n_seen - n + 1), ctx.shape[0] - n + 1):
+            starts.setdefault(ctx[j : j + n].tobytes(), []).append(j)
+        self._seen = ctx.copy()
+        return rebuilt
+
+    def last_in(self, key: np.ndarray, lo: int, hi: int) -> int:
+        """The largest start j of key (int32 [n]) with lo < j <= hi; 0 when none (lo >= 0, so 0
+        is never an answer: llama.cpp's "no match")."""
+        starts = self._starts.get(key.tobytes(), ())
+        i = bisect_right(starts, hi) - 1
+        return starts[i] if i >= 0 and starts[i] > lo else 0
+
+    def all_in(self, key: np.ndarray, lo: int, hi: int) -> list[int]:
+        """Every start j of key with lo <= j <= hi, ascending."""
+        starts = self._starts.get(key.tobytes(), [])
+        return starts[bisect_left(starts, lo) : bisect_right(starts, hi)]
+
+
+@dataclass(frozen=True, slots=True)
+class Proposed:
+    """A drafter's last non-empty draft: tokens int32 [k] to follow id_last at position pos.
+
+    llama.cpp calls accept(n_accepted) only on the drafter whose draft was verified
+    (common_speculative_accept: impl_last; the others get is_other). The engine tells every
+    drafter about every pass, so a drafter keeps its draft and recognises its verify pass."""
+
+    pos: int
+    tokens: np.ndarray
+
+    def n_accepted(self, tp: TargetPass) -> int | None:
+        """How many of the tokens were accepted if tp is their verify pass [id_last, d1..dj] (j <= k:
+        the engine may have cut the draft); None for any other pass (a prompt chunk, another
+        drafter's draft, a plain step)."""
+        j = tp.tokens.shape[0] - 1
+        if tp.pos0 != self.pos or not 1 <= j <= self.tokens.shape[0] or not np.array_equal(tp.tokens[1:], self.tokens[:j]):
+            return None
+        return tp.n_keep - 1

@@ -6,12 +6,12 @@ their last earlier occurrence. Deterministic (Draft.probs is None).
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from typing import ClassVar
 
 import numpy as np
 
 from ..types import Draft, DraftOptions, TargetPass
+from .base import NgramIndex
 
 # llama.cpp common.h, common_params_speculative_ngram_map
 SIZE_N_DEFAULT = 12
@@ -46,7 +46,7 @@ class NgramSimple:
     min(3, 9 - 3) = 3 >= 2; draft = ctx[3:6] = [c, d, e]. For ctx = [a, b, c, d, e, f, g, z, a, b]
     the only earlier [a, b] starts at 0, which never counts: no draft.
 
-    Cost: an index {n-gram -> ascending start positions} is kept incrementally across calls
+    Cost: an NgramIndex {n-gram -> ascending start positions} is kept incrementally across calls
     (ctx only grows between begin() calls; any other change rebuilds it), so propose() is
     O(new tokens * n) plus one O(L) prefix check in numpy, not llama.cpp's O(L * n) scan.
     """
@@ -60,45 +60,26 @@ class NgramSimple:
         self.size_n = size_n
         self.size_m = size_m
         self.min_hits = min_hits  # unused, as in llama.cpp's ngram-simple
-        self._seen = np.zeros(0, dtype=np.int32)  # int32 [n_seen]: the ctx the index covers
-        self._index: dict[bytes, list[int]] = {}
+        self._index = NgramIndex(size_n)
 
     def begin(self, prompt: np.ndarray, n_keep: int = 0, opts: DraftOptions | None = None) -> int:
         """A new sequence: index `prompt` (keeping the index of a prefix it extends). No model
         state, so any reuse of the target's KV suits it."""
-        self._sync(np.asarray(prompt, dtype=np.int32))
+        self._index.sync(np.asarray(prompt, dtype=np.int32))
         return n_keep
-
-    def _sync(self, ctx: np.ndarray) -> None:
-        """Make the index cover every n-gram start j (j + n <= len(ctx)) of ctx int32 [L]."""
-        n = self.size_n
-        n_seen = self._seen.shape[0]
-        if ctx.shape[0] >= n_seen and np.array_equal(ctx[:n_seen], self._seen):
-            j_from = max(0, n_seen - n + 1)
-        else:
-            self._index = {}
-            j_from = 0
-        index = self._index
-        for j in range(j_from, ctx.shape[0] - n + 1):
-            index.setdefault(ctx[j : j + n].tobytes(), []).append(j)
-        self._seen = ctx.copy()
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         """ctx: int32 [L] = prompt + emitted so far, ending with id_last. Returns a Draft of 0 or
         min(n_max, copy_max) tokens (see the class docstring); n_max <= 0 -> empty."""
         ctx = np.asarray(ctx, dtype=np.int32)
-        self._sync(ctx)
+        self._index.sync(ctx)
         n, m = self.size_n, self.size_m
         L = ctx.shape[0]
         if n_max <= 0 or L <= n + m + 2:
             return Draft.empty()
-        starts = self._index.get(ctx[L - n :].tobytes())
-        if not starts:
+        match_pos = self._index.last_in(ctx[L - n :], 0, L - n - 2)  # the last start in [1, L - n - 2]
+        if match_pos == 0:
             return Draft.empty()
-        i = bisect_right(starts, L - n - 2) - 1  # the last start <= L - n - 2
-        if i < 0 or starts[i] < 1:
-            return Draft.empty()
-        match_pos = starts[i]
         copy_max = min(m, (L - 1) - (match_pos + n))
         if copy_max < n:
             return Draft.empty()
