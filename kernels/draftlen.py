@@ -1,22 +1,29 @@
 """Each step's draft length from what a pass costs and how often the drafter is right
 (--spec-draft-adaptive).
 
-A draft of k tokens whose tokens are each accepted with probability a (given the ones before
-were) yields, with the target's own token, E(k) = 1 + a + ... + a^k tokens per pass; the pass
+A draft of k tokens whose i-th token is accepted with probability a_i (given the ones before
+were) yields, with the target's own token, E(k) = 1 + a_1 + a_1 a_2 + ... tokens per pass; the pass
 costs t(k + 1), a target decode of k + 1 rows. The length that pays is the k in [0, cap] that
-maximizes E(k) / t(k + 1), at least 1 (so that the estimate keeps learning; one extra row costs
-little). On a verbatim copy a -> 1 and the longest draft pays; on a partial one the rows past the
-likely rejection are wasted and k drops.
+maximizes E(k) / t(k + 1); at least 1 for a model drafter (so that the estimate keeps learning;
+one extra row costs little), and 0 allowed for an n-gram drafter, whose proposals are free: while
+it is held back, the engine still asks it for a draft and scores that shadow draft against the
+tokens the target then emits, so the estimate follows the text without any verify rows. On a
+verbatim copy a_i -> 1 and the longest draft pays; on a partial one the rows past the likely
+rejection are wasted and k drops; on text that n-grams do not predict the drafter is silent.
 
     PassCost   t(r): seconds of a target pass of r rows, learned from the engine's own passes
-               (a running mean per r, a least-squares line t = c0 + c1 * r through them; before
-               any data the line 1 + r / 4, the ratio of a 17-row verify to one token on a CPU)
-    Acceptance a: accepted draft tokens / (accepted + first rejections), decayed by DECAY per
-               draft so that it follows the text (a copy starts, a copy ends)
+               (a running mean per r, linear between them; before any data the line 1 + r / 4).
+               The engine measures a few pass sizes once before its first adaptive generation,
+               since passes of the lengths it is not choosing would never be seen otherwise
+    Acceptance a_i: by draft position, P(token i accepted | tokens before it were), decayed by
+               DECAY per draft so that it follows the text (a copy starts, a copy ends);
+               E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DECAY = 0.8          # weight of the past per draft in the acceptance estimate
@@ -51,36 +58,86 @@ class PassCost:
         return max(mt - c1 * mr, 1e-9), c1
 
     def at(self, rows: int) -> float:
-        c0, c1 = self.line()
-        return c0 + c1 * rows
+        """t(rows): linear between the per-r means around it (a CPU's verify curve is concave: a
+        line through few short passes would call every long draft dear), the least-squares slope
+        past the longest pass seen, the shortest's time below it; the line alone before two."""
+        pts = sorted((r, m) for r, (_, m) in self.sums.items())
+        if len(pts) < 2:
+            c0, c1 = self.line()
+            return c0 + c1 * rows
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        if rows >= pts[-1][0]:
+            return pts[-1][1] + self.line()[1] * (rows - pts[-1][0])
+        i = bisect_left(pts, (rows, -1.0))
+        (r0, t0), (r1, t1) = pts[i - 1], pts[i]
+        return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
 
 @dataclass(slots=True)
 class Acceptance:
-    acc: float = PRIOR[0]
-    rej: float = PRIOR[1]
+    """A drafter's acceptance by draft position, following the text: rates(n)[i] = P(the draft's
+    token i + 1 is accepted | its tokens 1..i were), from counts that decay by DECAY per draft.
+
+    By position, because drafts are not coin flips: an n-gram copy is often wrong at its first
+    token (the match was the wrong one) and then right for a long run, so a single rate would
+    call a verbatim copy's long drafts a waste. Before any draft, rate 0.5 (PRIOR, which decays
+    like a draft); a position no draft has reached takes the rate of the one before it."""
+
+    reached: list[float] = field(default_factory=lambda: [float(sum(PRIOR))])   # [i]: drafts that got to token i + 1
+    accepted: list[float] = field(default_factory=lambda: [float(PRIOR[0])])    # [i]: ... and had it accepted
 
     def record(self, n_drafted: int, n_accepted: int) -> None:
-        """One verified draft: n_accepted of its n_drafted tokens (a rejection if fewer)."""
-        self.acc = DECAY * self.acc + n_accepted
-        self.rej = DECAY * self.rej + (n_accepted < n_drafted)
+        """One verified (or shadow-scored) draft: its first n_accepted of n_drafted tokens accepted."""
+        grow = n_drafted - len(self.reached)
+        if grow > 0:
+            self.reached += [0.0] * grow
+            self.accepted += [0.0] * grow
+        for i in range(len(self.reached)):
+            self.reached[i] *= DECAY
+            self.accepted[i] *= DECAY
+        for i in range(min(n_accepted + 1, n_drafted)):
+            self.reached[i] += 1.0
+            self.accepted[i] += i < n_accepted
+
+    def rates(self, n: int) -> list[float]:
+        """[n] conditional rates; position i > 0 weighs in the rate of position i - 1 as one draft."""
+        out: list[float] = []
+        for i in range(n):
+            r, a = (self.reached[i], self.accepted[i]) if i < len(self.reached) else (0.0, 0.0)
+            out.append(a / r if i == 0 else (a + out[-1]) / (r + 1.0))
+        return out
 
     @property
     def rate(self) -> float:
-        return self.acc / (self.acc + self.rej)
+        """P(a draft's first token is accepted)."""
+        return self.rates(1)[0]
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """E(k) = 1 + a + ... + a^k: tokens per pass of a k-token draft."""
-    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+def expected_tokens(a: float | Sequence[float], k: int) -> float:
+    """E(k): tokens per pass of a k-token draft, 1 + a1 + a1 a2 + ... + a1..ak, with a the
+    per-position conditional rates ([>= k]) or one rate for every position (1 + a + ... + a^k)."""
+    if isinstance(a, (int, float)):
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    e, p = 1.0, 1.0
+    for i in range(k):
+        p *= a[i]
+        e += p
+    return e
 
 
-def best_length(a: float, cost: PassCost, cap: int) -> int:
-    """The k in [1, cap] with the most expected tokens per second (the shortest on ties)."""
-    c0, c1 = cost.line()
-    best, best_k = 0.0, 1
-    for k in range(1, cap + 1):
-        v = expected_tokens(a, k) / (c0 + c1 * (k + 1))
-        if v > best * (1 + 1e-9):
-            best, best_k = v, k
+def best_length(a: float | Sequence[float], cost: PassCost, cap: int, k_min: int = 1) -> int:
+    """The k in [k_min, cap] with the most expected tokens per second E(k) / t(k + 1) (the
+    shortest on ties); a: Acceptance.rates(cap), or one rate for every position.
+    k_min 1 keeps a drafter's estimate learning from its own drafts; 0 (no draft: a plain step)
+    is for drafters whose proposals cost nothing to make and can be scored without a verify pass
+    (the engine's shadow drafts)."""
+    rates = [float(a)] * cap if isinstance(a, (int, float)) else a
+    best, best_k, e, p = 0.0, k_min, 1.0, 1.0
+    for k in range(cap + 1):
+        if k > 0:                      # E(k) = E(k - 1) + a1 ... ak
+            p *= rates[k - 1]
+            e += p
+        if k >= k_min and e / cost.at(k + 1) > best * (1 + 1e-9):
+            best, best_k = e / cost.at(k + 1), k
     return best_k

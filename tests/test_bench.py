@@ -367,17 +367,20 @@ def injected_timings(t1_ms: float, verify_ms: dict[int, float], tok_ms: float):
 
 
 @pytest.mark.slow
-def test_auto_chooses_none_when_every_setting_is_slower(tiny_mtp, capsys):
+def test_auto_keeps_adaptive_ngrams_when_no_setting_is_predicted_faster(tiny_mtp, capsys):
     """The tiny shape's costs: the MTP head costs as much as the trunk, a verify row as much as a
-    plain step; free text has no repeated n-grams. The head is exact, so only the costs say no."""
+    plain step; free text has no repeated n-grams. The head is exact, so only the costs say no to
+    it; n-grams stay on, adaptive (held back on text they do not predict), since the request's
+    text is not the calibration's."""
     with engine_for(tiny_mtp) as engine:
         assert engine.mtp_enabled
         spec = resolve_auto(engine, SpecParams(), engine.tokenize(FREE),
                             measure=injected_timings(2.0, {1: 2, 2: 4, 4: 8, 8: 16, 16: 32, 17: 34}, 2.0))
-    assert spec.types == ()
+    assert (spec.types, spec.ngram_size_n, spec.ngram_size_m, spec.adaptive) == (("ngram-simple",), 3, 16, True)
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.match(r"spec auto: none: no speculative setting is predicted faster than ×1\.10; the best, "
-                    r"(draft-mtp n-max 1, is ×0\.67 \(acceptance 1\.00|ngram-simple size-n \d+ size-m \d+, is ×1\.00 \()",
+    assert re.match(r"spec auto: ngram-simple size-n 3 size-m 16, adaptive: drafts only while they are predicted "
+                    r"to pay on the text at hand; calibration: none: no speculative setting is predicted faster "
+                    r"than ×1\.10; the best, (draft-mtp n-max 1, is ×0\.67 \(acceptance 1\.00|\S+ .*is ×1\.00 \()",
                     line), line
 
 

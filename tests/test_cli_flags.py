@@ -204,8 +204,8 @@ def test_md_whole_model_infers_draft(tiny):
 def test_md_with_a_type_that_does_not_use_it_says_so(tiny):
     r = gen(tiny["full"], "-md", tiny["heads"], "-n", "2", "--spec-type", "ngram-simple")
     assert r.exit_code == 0, r.output
-    assert ("-md heads.gguf: not used, as --spec-type ngram-simple has no draft type; add draft (a draft model) "
-            "or draft-mtp (MTP heads)") in r.stderr
+    assert ("-md heads.gguf: not used, as --spec-type ngram-simple has no draft type; add draft (a draft model), "
+            "draft-eagle3 (an EAGLE-3 draft) or draft-mtp (MTP heads)") in r.stderr
     assert "inferred" not in gen(tiny["full"], "-md", tiny["heads"], "-n", "2", "--spec-type", "draft-mtp").stderr
 
 

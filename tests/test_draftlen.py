@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specrun.kernels.draftlen import Acceptance, PassCost, best_length, expected_tokens
@@ -45,6 +46,46 @@ def test_pass_cost_line_and_prior():
 ])
 def test_best_length(a, c0, c1, cap, want):
     assert best_length(a, cost(c0, c1), cap) == want
+
+
+@pytest.mark.parametrize(("a", "c0", "c1", "want"), [
+    (0.148, 1.0, 0.25, 0),        # 1.148 / 1.5 = 0.765 < 1 / 1.25: a plain step pays more
+    (0.21, 1.0, 0.25, 1),         # 1.21 / 1.5 = 0.807 > 0.8
+    (0.0, 1.0, 0.0, 0),           # free rows but never right: ties go to the shorter
+    (0.9, 1.0, 0.25, 7),          # 5.695 / 3 = 1.898: as with k_min 1
+])
+def test_best_length_may_hold_a_free_drafter_back(a, c0, c1, want):
+    assert best_length(a, cost(c0, c1), 16, k_min=0) == want
+
+
+def test_shadow_drafts_are_scored_once_decided():
+    from specrun.kernels.engine import _score_shadow
+
+    sh = (3, np.asarray([7, 8, 9], np.int32))
+    assert _score_shadow(sh, [0, 1, 2]) == (0, False)              # nothing emitted yet
+    assert _score_shadow(sh, [0, 1, 2, 7, 8]) == (2, False)        # right so far
+    assert _score_shadow(sh, [0, 1, 2, 7, 8, 9, 4]) == (3, True)   # all of it
+    assert _score_shadow(sh, [0, 1, 2, 7, 5]) == (1, True)         # wrong at its 2nd token
+    assert _score_shadow(sh, [0, 1, 2, 6]) == (0, True)
+
+
+def test_acceptance_by_position():
+    acc = Acceptance()
+    assert acc.rates(3) == [0.5, 0.5, 0.5]                   # the prior; unreached positions follow
+    acc.record(4, 0)                                         # wrong at its first token
+    acc.record(4, 4)                                         # then a whole copy
+    r0 = (0.8 * 0.8 * 1 + 1) / (0.8 * 0.8 * 2 + 0.8 + 1)     # prior and both drafts, decayed
+    r1 = (1 + r0) / (1 + 1)                                  # one draft reached token 2 and got it
+    assert acc.rates(2) == pytest.approx([r0, r1])
+    for _ in range(6):                                       # a copy that is wrong at its start
+        acc.record(16, 0)                                    # half the time and then right
+        acc.record(16, 16)
+    a = acc.rates(16)
+    assert a[0] < 0.6 and min(a[1:]) > 0.85
+    # the longest draft pays (E(16) = 1 + 16 / 2 = 9 tokens for 5.25 against 6 for 3.75 at k = 10);
+    # one rate for every position, accepted / (accepted + rejections) = 16 / 17, stops short of it
+    assert best_length(a, PassCost(), 16) == 16
+    assert best_length(16 / 17, PassCost(), 16) < 16
 
 
 def test_acceptance_follows_the_text():
@@ -101,7 +142,8 @@ def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(s
                       [OracleDraft(plain, len(prompt))])
         assert out == plain
         d = st.drafters[0]
-        assert d.n_acc_tokens == d.n_gen_tokens and d.n_gen_tokens / d.n_gen_drafts > 10   # long when right
+        # long when right: from the prior's length up to the cap within 4 drafts, and there after
+        assert d.n_acc_tokens == d.n_gen_tokens and d.acc_per_pos[15] >= d.n_gen_drafts - 5 >= 3, d
         wrong = ShiftedDraft(DraftModel(e.target, str(smollm_path)), e.model.n_vocab)
         try:
             out, st = run(SpecParams(types=("draft-simple",), n_max=8, verify="match", adaptive=True), [wrong])
@@ -110,3 +152,34 @@ def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(s
         assert out == plain
         d = st.drafters[0]
         assert d.n_acc_tokens == 0 and d.n_gen_tokens / d.n_gen_drafts < 1.5       # back to 1 at once
+
+
+@pytest.mark.slow
+def test_adaptive_ngram_drafter_is_held_back_when_wrong_and_output_unchanged(smollm_path):
+    """An always-wrong n-gram drafter (free proposals): after a few wrong drafts a plain step pays
+    more, so it stops drafting; its shadow drafts keep being scored, never verified."""
+    from pathlib import Path
+
+    from drafters import ShiftedDraft
+
+    from specrun.kernels.drafters import NgramSimple
+    from specrun.kernels.engine import Engine
+    from specrun.kernels.params import EngineParams, SpecParams
+    from specrun.kernels.types import SamplingParams
+
+    code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:1200]
+    greedy = SamplingParams(temp=0.0)
+    with Engine(str(smollm_path), EngineParams(n_ctx=2048, n_threads=2)) as e:
+        e.pass_cost = FixedCost()
+        prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:200])
+        plain = [t for c in e.generate(prompt, 64, greedy) for t in c]
+        spec = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16, verify="match", adaptive=True)
+        wrong = ShiftedDraft(NgramSimple(3, 16, 1), e.model.n_vocab)
+        gen = e.generate(prompt, 64, greedy, spec=spec, drafters=[wrong])
+        assert [t for c in gen for t in c] == plain
+        d = gen.stats.drafters[0]
+        assert d.n_acc_tokens == 0 and 1 <= d.n_gen_drafts <= 3, d
+        assert gen.stats.n_target_passes == 63                       # every other step a plain one
+        right = NgramSimple(3, 16, 1)                                # the real one on a copy: drafts and is right
+        gen = e.generate(prompt, 64, greedy, spec=spec, drafters=[right])
+        assert [t for c in gen for t in c] == plain and gen.stats.drafters[0].n_acc_tokens > 0

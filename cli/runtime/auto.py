@@ -3,7 +3,9 @@
 The engine is opened with every spec type the files allow (loading.available_types), then
 resolve_auto() runs kernels.calibrate on it (a few seconds: the verify-cost curve and short greedy
 probes of the prompt) and returns the SpecParams to generate with; the reason goes to stderr as
-one line.
+one line. A model drafter is chosen by its predicted speedup; otherwise n-gram drafts stay on
+with --spec-draft-adaptive, which holds them back (0 rows, the engine scores their shadow
+drafts instead) on text they do not predict: the calibration prompt is never the request's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import replace
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from specrun.kernels.calibrate import Choice, calibrate, measure, n_steps
+from specrun.kernels.calibrate import Choice, calibrate, measure, n_steps, setting_name
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import SpecParams
 
@@ -55,7 +57,22 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
     or a test's with injected timings."""
     if prompt_tokens is None or len(prompt_tokens) == 0:
         prompt_tokens = engine.tokenize(PROMPTS["free"])
-    choice = calibrate_with_progress(engine, prompt_tokens, auto_candidates(engine, replace(base, adaptive=False)),
-                                     measure=measure)
-    err_console.print(f"spec auto: {choice.reason}", markup=False, soft_wrap=True)
-    return replace(choice.spec, adaptive=base.adaptive and bool(choice.spec.types))
+    cands = auto_candidates(engine, replace(base, adaptive=False))
+    choice = calibrate_with_progress(engine, prompt_tokens, cands, measure=measure)
+    spec, reason = choice.spec, choice.reason
+    if not spec.types or _ngram(spec):
+        # the calibration text is not the request's: n-grams stay on, adaptive, so that each text
+        # decides (held back, at the cost of a lookup per token, while a plain step pays more)
+        ngram = spec if spec.types else next(
+            (c for c in cands if c.types == ("ngram-simple",) and (c.ngram_size_n, c.ngram_size_m) == AUTO_NGRAM_SIZES[0]),
+            next((c for c in cands if _ngram(c)), None))
+        if ngram is not None:
+            spec = replace(ngram, adaptive=True)
+            reason = (f"{setting_name(spec)}, adaptive: drafts only while they are predicted to pay on "
+                      f"the text at hand; calibration: {reason}")
+    err_console.print(f"spec auto: {reason}", markup=False, soft_wrap=True)
+    return replace(spec, adaptive=spec.adaptive or (base.adaptive and bool(spec.types)))
+
+
+def _ngram(spec: SpecParams) -> bool:
+    return bool(spec.types) and all(t.startswith("ngram") for t in spec.types)
