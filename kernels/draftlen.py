@@ -26,6 +26,10 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from .types import common_prefix
+
 DECAY = 0.8          # weight of the past per draft in the acceptance estimate
 PRIOR = (1.0, 1.0)   # (accepted, rejected): a = 0.5 before the first draft
 
@@ -141,3 +145,62 @@ def best_length(a: float | Sequence[float], cost: PassCost, cap: int, k_min: int
         if k >= k_min and e / cost.at(k + 1) > best * (1 + 1e-9):
             best, best_k = e / cost.at(k + 1), k
     return best_k
+
+
+@dataclass(slots=True)
+class DraftLength:
+    """One drafter's draft length through a generation: its cap, or (adaptive) the best_length at
+    its running acceptance, and the shadow draft it holds while held back (n == 0).
+
+    start(cost) at the generation's start; record() after each verified draft of it; after each
+    target pass, score(ctx_tokens) decides its shadow draft, and resume(ctx_tokens) before the
+    next proposal drafts the rest of a held-back copy that has been right so far."""
+
+    cap: int                   # its longest draft, within the engine's bounds
+    adaptive: bool = False
+    k_min: int = 1             # 0: it may be held back (its proposals are free: n-grams)
+    acc: Acceptance = field(default_factory=Acceptance)
+    n: int = 0                 # the length to ask for now
+    shadow: tuple[int, np.ndarray] | None = None   # (position of its first token, int32 [k])
+
+    def _best(self, cost: PassCost) -> int:
+        return best_length(self.acc.rates(self.cap), cost, self.cap, self.k_min)
+
+    def start(self, cost: PassCost) -> None:
+        self.n = self._best(cost) if self.adaptive else self.cap
+
+    def record(self, n_drafted: int, n_accepted: int, cost: PassCost) -> None:
+        """One verified draft of n_drafted tokens, n_accepted of them accepted."""
+        if self.adaptive:
+            self.acc.record(n_drafted, n_accepted)
+            self.n = self._best(cost)
+
+    def score(self, ctx_tokens: list[int], cost: PassCost) -> None:
+        """Score the shadow draft once the emitted text ctx_tokens decides it (a mismatch, or all
+        of it matched), as a draft of its length."""
+        if self.shadow is not None:
+            n_ok, done = score_shadow(self.shadow, ctx_tokens)
+            if done:
+                self.record(len(self.shadow[1]), n_ok, cost)
+                self.shadow = None
+
+    def resume(self, ctx_tokens: list[int], cost: PassCost) -> None:
+        """A held-back copy right for its first j tokens (it is still pending): the rest is judged
+        by the rates from position j on (a copy that starts right tends to stay right); when it
+        pays, those j count as a draft all accepted and the drafter drafts again."""
+        if self.shadow is None or len(ctx_tokens) <= self.shadow[0]:
+            return
+        j = len(ctx_tokens) - self.shadow[0]
+        rest = best_length(self.acc.rates(self.cap + j)[j:], cost, self.cap, 0)
+        if rest > 0:
+            self.acc.record(j, j)
+            self.shadow, self.n = None, rest
+
+
+def score_shadow(sh: tuple[int, np.ndarray], ctx_tokens: list[int]) -> tuple[int, bool]:
+    """(tokens of the shadow draft (p0, tokens) that the emitted text ctx_tokens[p0:] matches,
+    whether that is final: a mismatch, or the whole draft matched)."""
+    p0, toks = sh
+    got = ctx_tokens[p0:p0 + len(toks)]
+    n_ok = common_prefix(got, toks[:len(got)])
+    return n_ok, n_ok < len(got) or len(got) == len(toks)

@@ -35,7 +35,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from .constrain import Constraints, VerifyPass
 from .drafters import TargetView, draft_n_max, drafter_key, make_drafter
-from .draftlen import Acceptance, PassCost, best_length
+from .draftlen import DraftLength, PassCost
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import EngineParams, SpecParams
 from .prefill import FastPrefill, fast_len
@@ -108,15 +108,6 @@ def _free_proposals(d: Drafter) -> bool:
     """Whether a drafter's proposal is only a lookup in the tokens (the n-gram drafters), so that a
     draft may be made and scored without verifying it (adaptive length 0, shadow drafts)."""
     return d.spec_type.startswith("ngram")
-
-
-def _score_shadow(sh: tuple[int, np.ndarray], ctx_tokens: list[int]) -> tuple[int, bool]:
-    """(tokens of the shadow draft (p0, tokens) that the emitted text ctx_tokens[p0:] matches,
-    whether that is final: a mismatch, or the whole draft matched)."""
-    p0, toks = sh
-    got = ctx_tokens[p0:p0 + len(toks)]
-    n_ok = common_prefix(got, toks[:len(got)])
-    return n_ok, n_ok < len(got) or len(got) == len(toks)
 
 
 class Engine:
@@ -271,14 +262,12 @@ class Engine:
         # each drafter's longest draft (n-grams: size_m, models: n_max), within the engine's cap; an
         # n-gram copy longer than the cap (exact mode: 62 tokens) is cut there
         n_lim = [min(draft_n_max(d.spec_type, spec), self.n_max_cap) for d in drafters]
-        acc = [Acceptance() for _ in drafters]   # --spec-draft-adaptive: each drafter's running acceptance
-        # adaptive n-gram drafters may be held back (n_cur 0); their shadow drafts, (position of the
-        # first drafted token, tokens), are scored against what the target emits instead
-        shadow: list[tuple[int, np.ndarray] | None] = [None] * len(drafters)
-        k_min = [0 if spec.adaptive and _free_proposals(d) else 1 for d in drafters]
-        # per-drafter draft length: its limit, or (adaptive) what pays at the prior acceptance
-        n_cur = [best_length(a.rates(n), self.pass_cost, n, k) if spec.adaptive else n
-                 for a, n, k in zip(acc, n_lim, k_min, strict=True)]
+        # each drafter's draft length: its limit, or (--spec-draft-adaptive) what pays at its running
+        # acceptance; adaptive n-gram drafters may be held back, their shadow drafts scored instead
+        lens = [DraftLength(n, spec.adaptive, 0 if spec.adaptive and _free_proposals(d) else 1)
+                for d, n in zip(drafters, n_lim, strict=True)]
+        for dl in lens:
+            dl.start(self.pass_cost)
         n_emitted, t0, t_gen0 = 0, time.perf_counter(), None
         try:
             if limit == 0:
@@ -309,17 +298,10 @@ class Engine:
                         else "interrupted"
                     return
                 k_cap = min(limit - n_emitted - 1, self.n_ctx - n_past - 2)   # llama-server's n_draft_max
-                for i, sh in enumerate(shadow):
-                    if sh is not None and len(ctx_tokens) > sh[0]:
-                        # a held-back copy right for its first j tokens: the rest is judged by the
-                        # rates from position j on (a copy that starts right tends to stay right)
-                        j = len(ctx_tokens) - sh[0]
-                        rest = best_length(acc[i].rates(n_lim[i] + j)[j:], self.pass_cost, n_lim[i], 0)
-                        if rest > 0:
-                            acc[i].record(j, j)
-                            shadow[i], n_cur[i] = None, rest
-                draft, which = self._propose(drafters, np.asarray(ctx_tokens, dtype=np.int32), k_cap, n_cur,
-                                             spec.n_min, st, shadow, n_lim)
+                for dl in lens:
+                    dl.resume(ctx_tokens, self.pass_cost)
+                draft, which = self._propose(drafters, np.asarray(ctx_tokens, dtype=np.int32), k_cap, lens,
+                                             spec.n_min, st)
                 vp = None
                 if cons is not None:     # cut at the first token the constrained target cannot emit
                     vp = cons.verify_pass(draft)
@@ -333,9 +315,7 @@ class Engine:
                 if which >= 0:
                     st.verify = verify_mode(spec, sampling, draft)   # empty drafts are plain steps
                     st.drafters[which].record(len(draft), verdict.n_accepted)
-                    if spec.adaptive:  # the length that pays at this acceptance and pass cost (kernels/draftlen)
-                        acc[which].record(len(draft), verdict.n_accepted)
-                        n_cur[which] = best_length(acc[which].rates(n_lim[which]), self.pass_cost, n_lim[which], k_min[which])
+                    lens[which].record(len(draft), verdict.n_accepted, self.pass_cost)
                 n_past += verdict.n_accepted + 1
                 id_last = int(verdict.tokens[-1])
                 out = [int(t) for t in verdict.tokens]
@@ -349,13 +329,8 @@ class Engine:
                     rows = self.ctx.logits_rows()
                     lp.extend(token_logprob(rows[j], t, n_top) for j, t in enumerate(out))
                 ctx_tokens.extend(out)
-                for i, sh in enumerate(shadow):   # score the shadow drafts the new tokens decide
-                    if sh is not None:
-                        n_ok, done = _score_shadow(sh, ctx_tokens)
-                        if done:
-                            shadow[i] = None
-                            acc[i].record(len(sh[1]), n_ok)
-                            n_cur[i] = best_length(acc[i].rates(n_lim[i]), self.pass_cost, n_lim[i], k_min[i])
+                for dl in lens:                  # the shadow drafts the new tokens decide
+                    dl.score(ctx_tokens, self.pass_cost)
                 if cons is not None:
                     cons.accept(out)
                 n_emitted += len(out)
@@ -389,23 +364,23 @@ class Engine:
                 raise LlamaError(f"could not remove {r} measuring rows at {n}")
         log.info("target pass cost: %s", ", ".join(f"{r} rows {self.pass_cost.at(r) * 1e3:.1f} ms" for r in rows))
 
-    def _propose(self, drafters: list[Drafter], ctx: np.ndarray, k_cap: int, n_cur: list[int], n_min: int,
-                 st: GenStats, shadow: list[tuple[int, np.ndarray] | None], n_lim: list[int]) -> tuple[Draft, int]:
+    def _propose(self, drafters: list[Drafter], ctx: np.ndarray, k_cap: int, lens: list[DraftLength], n_min: int,
+                 st: GenStats) -> tuple[Draft, int]:
         """The first drafter's proposal of at least max(1, n_min) tokens, and its index (-1: none).
-        A drafter held back (n_cur 0) is still asked, for its longest draft, when no shadow draft of
-        it is pending; that draft goes to shadow[i] instead of the target."""
+        A drafter held back (length 0) is still asked, for its longest draft, when no shadow draft
+        of it is pending; that draft goes to its DraftLength.shadow instead of the target."""
         if k_cap <= 0:
             return Draft.empty(), -1
         for i, d in enumerate(drafters):
             t = time.perf_counter()
-            if n_cur[i] == 0:
-                if shadow[i] is None:
-                    sh = d.propose(ctx, min(k_cap, n_lim[i]))
+            if lens[i].n == 0:
+                if lens[i].shadow is None:
+                    sh = d.propose(ctx, min(k_cap, lens[i].cap))
                     if len(sh) > 0:
-                        shadow[i] = (len(ctx), sh.tokens)
+                        lens[i].shadow = (len(ctx), sh.tokens)
                 st.drafters[i].t_draft_s += time.perf_counter() - t
                 continue
-            cap = min(k_cap, n_cur[i])
+            cap = min(k_cap, lens[i].n)
             draft = d.propose(ctx, cap)
             st.drafters[i].n_call_draft += 1
             st.drafters[i].t_draft_s += time.perf_counter() - t

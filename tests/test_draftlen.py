@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrun.kernels.draftlen import Acceptance, PassCost, best_length, expected_tokens
+from specrun.kernels.draftlen import Acceptance, PassCost, best_length, expected_tokens, score_shadow
 
 
 def test_expected_tokens():
@@ -59,14 +59,12 @@ def test_best_length_may_hold_a_free_drafter_back(a, c0, c1, want):
 
 
 def test_shadow_drafts_are_scored_once_decided():
-    from specrun.kernels.engine import _score_shadow
-
     sh = (3, np.asarray([7, 8, 9], np.int32))
-    assert _score_shadow(sh, [0, 1, 2]) == (0, False)              # nothing emitted yet
-    assert _score_shadow(sh, [0, 1, 2, 7, 8]) == (2, False)        # right so far
-    assert _score_shadow(sh, [0, 1, 2, 7, 8, 9, 4]) == (3, True)   # all of it
-    assert _score_shadow(sh, [0, 1, 2, 7, 5]) == (1, True)         # wrong at its 2nd token
-    assert _score_shadow(sh, [0, 1, 2, 6]) == (0, True)
+    assert score_shadow(sh, [0, 1, 2]) == (0, False)              # nothing emitted yet
+    assert score_shadow(sh, [0, 1, 2, 7, 8]) == (2, False)        # right so far
+    assert score_shadow(sh, [0, 1, 2, 7, 8, 9, 4]) == (3, True)   # all of it
+    assert score_shadow(sh, [0, 1, 2, 7, 5]) == (1, True)         # wrong at its 2nd token
+    assert score_shadow(sh, [0, 1, 2, 6]) == (0, True)
 
 
 def test_acceptance_by_position():
