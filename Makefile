@@ -5,16 +5,22 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL  ?= gemma-3-270m
 PROMPT_FILE ?= benchmarks/prompts/code_rewrite.txt
+# llama-cpp-python is built with ggml's RPC backend (`specrun rpc-worker`, `--rpc`).
+LLAMA_CPP_PY  := 0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_RPC=ON
 RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 -n 128 --temp 0 -f $(PROMPT_FILE)
 
-.PHONY: install run test test-fast bench bench-peers peers-server lint clean
+.PHONY: install run test test-fast bench bench-rpc bench-peers peers-server lint clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install -e '.[dev,models]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -e '.[dev,models]'
+	@# pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS: a wheel cached without RPC is rebuilt once.
+	test -n "$$(ls $(VENV)/lib/python3*/site-packages/llama_cpp/lib/libggml-rpc.so 2>/dev/null)" || \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==$(LLAMA_CPP_PY)
 	touch $(STAMP)
 
 run: install
@@ -29,10 +35,13 @@ test-fast: lint
 bench: install
 	$(BIN)/python benchmarks/bench_spec.py
 
+# local against two loopback `specrun rpc-worker`s, with 0/1/5/20 ms of added round-trip latency
+bench-rpc: install
+	$(BIN)/python benchmarks/rpc_bench.py --readme
+
 # `make bench-peers`: specrun serve against llama.cpp's own llama-server, built once from the same
 # llama-cpp-python sdist the project pins (the binary is cached under build/peers; delete it to rebuild).
 # AVX-512 / AVX-VNNI only where /proc/cpuinfo lists them; AMX always off (its kernels crash on some hosts).
-LLAMA_CPP_PY  := 0.3.36
 PEERS_DIR     := build/peers
 PEERS_SRC     := $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
 LLAMA_SERVER  := $(PEERS_DIR)/cmake/bin/llama-server

@@ -98,6 +98,14 @@ def _register() -> None:
 
     cli.add_command(bench_cmd.bench)
 
+    from . import rpc_cmd
+
+    cli.add_command(rpc_cmd.rpc_worker)
+
+    from . import export_cmd
+
+    cli.add_command(export_cmd.export)
+
 
 _register()
 

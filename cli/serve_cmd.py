@@ -13,6 +13,7 @@ import asyncio
 import ipaddress
 import os
 import socket
+import sys
 import threading
 from dataclasses import replace
 
@@ -130,6 +131,10 @@ def serve(host, port, parallel, max_queue, api_key, alias, drain_timeout, max_bo
             stopped = loader.state.stopped(server.drained) if server.drained else None
             err_console.print(f"specrun serve: stopped{': ' + stopped.line() if stopped else ''}", markup=False,
                               soft_wrap=True)
+            if loader.state.pool.lost is not None:   # slot threads stay blocked in llama.cpp: do not join them
+                err_console.print(f"error: {loader.state.pool.lost}", style="red", markup=False, soft_wrap=True)
+                sys.stdout.flush()
+                os._exit(1)
 
 
 class _Loader(threading.Thread):
@@ -164,6 +169,10 @@ class _Loader(threading.Thread):
         auto = params.spec.types == AUTO
         engines = open_engines(kw["model"], params, opt["parallel"])
         pool = SlotPool(engines, opt["max_queue"])
+        if params.placement is not None:   # a worker lost: fail those requests, keep answering (kernels/rpc.py)
+            from specrun.kernels import rpc
+
+            rpc.on_worker_lost(pool.worker_lost)
         try:
             model = engines[0].model
             params = engines[0].params

@@ -122,7 +122,8 @@ class Engine:
                             and "draft-eagle3" not in spec.types else None)
         needs_mtp = "draft-mtp" in spec.types and self._heads_path is None
         self._own_model = model is None
-        self.model = model if model is not None else Model(model_path, exact=params.exact, load_mtp=needs_mtp)
+        self.model = model if model is not None else Model(model_path, exact=params.exact, load_mtp=needs_mtp,
+                                                                    placement=params.placement)
         self.ctx = None
         self._drafters: dict[tuple, Drafter] = {}
         if needs_mtp and self.model.n_layer_nextn <= 0:
@@ -146,6 +147,7 @@ class Engine:
             # handed over to the exact context; not for MTP (hidden rows) nor recurrent memory
             self.fast = (FastPrefill(self.model, self.n_ctx, params.n_threads, self.ctx.kv_rot)
                          if params.exact and params.fast_prefill and not self.mtp_enabled
+                         and params.placement is None   # over RPC the state copy would cross the network
                          and "draft-eagle3" not in spec.types   # EAGLE-3 reads every position's rows too
                          and not self.model.recurrent else None)
             self._restored = 0   # fast_len of the state the exact context was loaded from; 0: none

@@ -32,7 +32,7 @@ MAX_EXACT_BATCH = 63  # flash attention switches to its tiled kernel at 64 query
 import llama_cpp as L  # noqa: E402  (after the module docstring's contract; imports the native lib)
 from llama_cpp import llama_cpp_ext as X  # noqa: E402
 
-from . import cpu_probe  # noqa: E402
+from . import cpu_probe, rpc  # noqa: E402
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -142,15 +142,27 @@ class Model:
     MTP context is created (llama.cpp aborts the process otherwise)."""
 
     def __init__(self, path: str | os.PathLike, *, exact: bool = True, load_mtp: bool = False,
-                 use_mmap: bool = True) -> None:
+                 use_mmap: bool = True, placement: rpc.Placement | None = None) -> None:
+        """placement: every layer on these RPC workers (kernels/rpc.py), or None: this CPU."""
         _ensure_backend(exact)
         self.path = str(path)
         self.exact = exact
         self.load_mtp = load_mtp
+        self.placement = placement
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
         mp.use_mmap = use_mmap
         mp.load_mtp = load_mtp
+        # an explicit, NULL-terminated device list: none for this CPU alone (so that RPC devices this
+        # process registered never take a local model's ops), the workers' under --rpc
+        devs = rpc.devices(placement) if placement is not None else []
+        self._devices = (ctypes.c_void_p * (len(devs) + 1))(*devs, None)
+        mp.devices = ctypes.addressof(self._devices)   # ggml_backend_dev_t * (bound as void *)
+        if placement is not None:   # llama-server --rpc ... -ngl all [--tensor-split ...]
+            mp.n_gpu_layers = -1
+            if placement.split:
+                self._split = (ctypes.c_float * L.llama_max_devices())(*placement.split)
+                mp.tensor_split = self._split
         if exact:
             mp.use_extra_bufts = False
         else:   # repacked weights: AMX's only where a child process has seen it work (cpu_probe)

@@ -7,8 +7,12 @@ then tried in llama.cpp's order (n-grams first, then the draft model, then MTP h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specrun.gguf_spec.errors import SpecrunError
+
+if TYPE_CHECKING:
+    from .rpc import Placement
 
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # no model needed
 SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", *NGRAM_TYPES)
@@ -86,3 +90,4 @@ class EngineParams:
     spec: SpecParams = field(default_factory=SpecParams)
     draft_model: str | None = None     # -md: a draft GGUF (draft-simple), EAGLE-3 (draft-eagle3) or MTP heads (draft-mtp)
     exact_caveat: str | None = None    # why exact mode may not be bit-exact for these weights (stats line)
+    placement: Placement | None = None  # --rpc: the target's layers on these workers (drafters stay local)

@@ -345,6 +345,17 @@ def test_ngram_per_request_equals_none(server):
     assert b.choices[0].message.content == a
 
 
+def test_cache_prompt_false_evaluates_the_whole_prompt(server):
+    prompt = REPEAT + "Once more:"
+    server.completion(prompt, 4)
+    reused = server.completion(prompt, 4)
+    full = server.completion(prompt, 4, cache_prompt=False)
+    n = full["tokens_evaluated"]
+    assert reused["tokens_cached"] > n // 2 and reused["timings"]["prompt_n"] < n // 2   # the slot's cache
+    assert full["tokens_cached"] == 0 and full["timings"]["prompt_n"] == n    # llama-server's cache_prompt: false
+    assert full["content"] == reused["content"]
+
+
 def test_metrics_move_with_a_request(server):
     before = server.metrics()
     r = server.completion(REPEAT + "The quick brown", 40, speculative={"type": "ngram-simple", "n_max": 8})

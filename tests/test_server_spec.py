@@ -239,8 +239,8 @@ def test_draft_n_max_above_the_cap_is_a_400_with_the_cap(mtp_server):
     ok = mtp_server.completion("hello", 4, speculative={"n_max": cap})
     assert ok["generation_settings"]["speculative"]["n_max"] == cap and ok["tokens_predicted"] == 4
     # n-gram drafts are bounded by their size_m, not by the cap: accepted as the engine does
-    assert mtp_server.completion("hello", 4, speculative={"type": "ngram-simple", "n_max": 62})["tokens"] == \
-        ok["tokens"]
+    for t in ("ngram-simple", "ngram-mod", "ngram-map-k"):   # every n-gram type, as the engine
+        assert mtp_server.completion("hello", 4, speculative={"type": t, "n_max": 62})["tokens"] == ok["tokens"], t
 
 
 def test_chat_without_template_is_400(mtp_server):

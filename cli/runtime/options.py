@@ -7,15 +7,19 @@ stderr why, and what happens instead (e.g. `-ngl 99`: every layer runs on the CP
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import re
+import sys
 from dataclasses import replace
 
 import click
 from click.core import ParameterSource
 
 from specrun.gguf_spec.errors import SpecrunError
+from specrun.kernels import rpc
 from specrun.kernels.constrain import check_controls
 from specrun.kernels.grammar import GrammarError, check_grammar, schema_to_gbnf
 from specrun.kernels.params import (
@@ -28,7 +32,7 @@ from specrun.kernels.params import (
 )
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
-from .console import note
+from .console import err_console, note
 
 AUTO = ("auto",)     # what --spec-type auto parses to; resolved after loading (runtime.auto)
 INFER = ("infer",)   # no --spec-type: loading.prepare() infers it from -md's file (llama.cpp's rule), else none
@@ -116,6 +120,11 @@ def model_options(f):
     @click.option("--fast-prefill/--no-fast-prefill", "fast_prefill", default=True, show_default=True,
                   help="exact mode: evaluate a long prompt's whole 512-token blocks with an F16 KV cache (llama.cpp's "
                        "fast kernels) and hand them to the exact context; off saves that cache's memory")
+    @click.option("--rpc", "rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                  help="put the model's layers on these RPC workers (`specrun rpc-worker`, llama.cpp's rpc-server); "
+                       "draft models stay on this machine")
+    @click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="N0,N1,...",
+                  help="with --rpc: the share of the layers each worker holds, e.g. 3,1 (default: by free memory)")
     @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp and specrun internals to stderr")
     @functools.wraps(f)
     def wrapper(*a, **k):
@@ -356,7 +365,27 @@ def engine_params(kw: dict, spec: SpecParams | None = None) -> EngineParams:
         note(line)
     return EngineParams(n_ctx=kw["ctx_size"], n_batch=kw["batch_size"], n_threads=kw["threads"],
                         exact=not kw["no_exact"], fast_prefill=kw.get("fast_prefill", True), spec=spec,
-                        draft_model=kw["model_draft"])
+                        draft_model=kw["model_draft"], placement=rpc_placement(kw))
+
+
+def rpc_placement(kw: dict) -> rpc.Placement | None:
+    """--rpc / --tensor-split, checked (the build has RPC, every worker answers, the split adds
+    up: one-line SpecrunErrors); a worker lost later ends the process with one line, exit 1 (the
+    server sets its own handler)."""
+    p = rpc.placement(kw.get("rpc"), kw.get("tensor_split"))
+    if p is not None:
+        rpc.on_worker_lost(_exit_lost)
+        note(f"rpc: every layer on the workers {p}; drafters on this machine")
+    return p
+
+
+def _exit_lost(e: rpc.WorkerLost) -> None:
+    """On llama.cpp's RPC thread: what was generated stays on stdout; one line; exit 1."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        err_console.print(f"\nerror: {e}", style="red", markup=False, soft_wrap=True)
+    os._exit(1)
 
 
 def parse_logit_bias(spec: str) -> tuple[int, float]:

@@ -18,6 +18,8 @@ def service_router(state: ServerState) -> APIRouter:
     @router.api_route("/health", methods=["GET", "HEAD"], response_model=Health,
                       summary="liveness (no API key needed); 503 while loading or shutting down")
     async def health():
+        if state.pool.lost is not None:
+            raise ApiError(503, str(state.pool.lost), "rpc_worker_lost")
         busy = state.pool.n_busy
         return {"status": "ok", "slots_idle": len(state.pool.slots) - busy, "slots_processing": busy}
 

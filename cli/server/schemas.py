@@ -318,7 +318,8 @@ class LlamaCompletionRequest(_Controls):
     seed: int | None = Field(None, ge=-1, le=MAX_SEED)
     stop: list[Text] | None = None
     stream: bool = False
-    cache_prompt: bool = Field(True, description="accepted for compatibility; the slot's KV cache is always reused")
+    cache_prompt: bool = Field(True, description="reuse the longest prefix of the prompt that the slot's KV cache holds; "
+                               "false: evaluate the whole prompt (llama-server's cache_prompt)")
     speculative: Speculative | None = None
     n_probs: int | None = Field(None, description=f"only 0: more is a 400 ({_NO_N_PROBS})")
     logprobs: int | None = Field(None, description=f"llama-server's other name of n_probs: only 0 ({_NO_N_PROBS})")

@@ -14,6 +14,7 @@ runs in flight get up to the drain timeout to finish, then are cancelled and awa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -47,6 +48,7 @@ class Job:
     stop: tuple[str, ...] = ()
     stop_tokens: frozenset[int] = frozenset()   # a chat template's turn stops (chat requests)
     logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
+    cache_prompt: bool = True    # False: the slot forgets its cached prompt first (the whole prompt is evaluated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,8 @@ class Outcome:
 def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: threading.Event) -> Outcome:
     """Run one job on one engine (in the slot's thread); emit(text) as it is decided. cancel stops
     it between two prompt chunks or two target passes (stop_type "interrupted")."""
+    if not job.cache_prompt:
+        engine.reset()
     gen = engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec, cancel=cancel.is_set,
                           logprobs=job.logprobs)
     run = TextRun(gen, engine.model, stops=job.stop, stop_tokens=job.stop_tokens, cancel=cancel.is_set)
@@ -199,6 +203,28 @@ class SlotPool:
         self.closing = False
         self._waiters: deque[asyncio.Future] = deque()
         self._runs: set[Run] = set()
+        self.lost: Exception | None = None   # an RPC worker lost (worker_lost): nothing more runs
+
+    # -- an RPC worker lost ----------------------------------------------------------------------
+    def worker_lost(self, err: Exception) -> None:
+        """Called on llama.cpp's RPC thread (kernels/rpc.py) when a worker stopped answering: the runs
+        in flight and the waiting requests fail with err, and so does every later request. Their
+        slot threads stay blocked inside llama.cpp for good, so close() does not wait for them."""
+        self.lost = err
+        if self.loop is not None:
+            with contextlib.suppress(RuntimeError):   # the loop is closed: nobody waits any more
+                self.loop.call_soon_threadsafe(self._fail_all, err)
+
+    def _fail_all(self, err: Exception) -> None:
+        for r in list(self._runs):
+            if not r.ended.done():
+                r.result = err
+                r._queue.put_nowait(err)
+                r.ended.set_result(None)
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(err)
 
     @property
     def n_busy(self) -> int:
@@ -218,6 +244,8 @@ class SlotPool:
         return run
 
     async def _acquire(self, prompt: np.ndarray) -> Slot:
+        if self.lost is not None:
+            raise self.lost
         if self.closing:
             raise ShuttingDown("the server is shutting down and takes no new requests")
         idle = [s for s in self.slots if not s.busy]
@@ -270,7 +298,7 @@ class SlotPool:
         cancel_all("shutdown") meanwhile (a second signal) ends it early."""
         end = self.loop.time() + timeout if self.loop else 0.0
         seen: set[Run] = set()
-        while self.n_busy:
+        while self.n_busy and self.lost is None:   # a lost worker's slots stay busy for good
             runs = [r for r in self._runs if not r.ended.done()]
             seen.update(runs)
             if not runs:   # a slot handed to a waiter whose task has not started its run yet
@@ -292,6 +320,9 @@ class SlotPool:
             r.cancel(reason)
 
     def close(self) -> None:
+        if self.lost is not None:   # slot threads blocked in llama.cpp: neither wait nor free under them
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            return
         self.cancel_all()
         self.executor.shutdown(wait=True)
         for s in reversed(self.slots):   # the first engine owns the shared model: close it last

@@ -17,7 +17,8 @@ from specrun.kernels.chat_template import TemplateError
 from specrun.kernels.constrain import check_controls
 from specrun.kernels.grammar import Grammar, GrammarError, schema_to_gbnf
 from specrun.kernels.llama import MAX_EXACT_BATCH
-from specrun.kernels.params import SpecParams, parse_spec_types
+from specrun.kernels.params import NGRAM_TYPES, SpecParams, parse_spec_types
+from specrun.kernels.rpc import WorkerLost
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
 from ..runtime.chat import ChatFormat
@@ -151,7 +152,7 @@ class ServerState:
         spec = replace(spec, n_max=spec.n_max if sp.n_max is None else sp.n_max,
                        n_min=spec.n_min if sp.n_min is None else sp.n_min,
                        p_min=spec.p_min if sp.p_min is None else sp.p_min)
-        if any(t != "ngram-simple" for t in spec.types) and spec.n_max > self.n_max_cap:
+        if any(t not in NGRAM_TYPES for t in spec.types) and spec.n_max > self.n_max_cap:
             # the engine's rule for model drafters (n-gram drafts are bounded by their size_m), checked
             # here so that the request never takes a slot
             why = (f"exact mode verifies at most {MAX_EXACT_BATCH - 1} draft tokens"
@@ -226,7 +227,8 @@ class ServerState:
             tokens = await asyncio.to_thread(prompt)
         finally:
             self.metrics.preparing(-1)
-        return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs)
+        return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs,
+                   cache_prompt=getattr(req, "cache_prompt", True))
 
     # -- running -----------------------------------------------------------------------------
     async def start(self, job: Job, client: Client) -> Run:
@@ -249,6 +251,8 @@ class ServerState:
             return acquire.result()
         except Busy as e:
             raise ApiError(503, str(e), "server_busy", headers={"Retry-After": "1"}) from None
+        except WorkerLost as e:
+            raise ApiError(503, str(e), "rpc_worker_lost") from None
         except ShuttingDown as e:
             if not e.queued:
                 self.n_refused += 1
@@ -265,6 +269,8 @@ class ServerState:
                 run.cancel("client")
             try:
                 o = await result
+            except WorkerLost as e:   # the model's layers are gone with the worker: not the client's fault
+                raise ApiError(502, str(e), "rpc_worker_lost") from None
             except SpecrunError as e:
                 raise ApiError(400, str(e), "invalid_value") from None
         finally:

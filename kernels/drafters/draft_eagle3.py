@@ -48,7 +48,9 @@ class DraftEagle3:
         compat = check_eagle3_compatible(load_spec(target.model.path), load_spec(path))
         if not compat.ok:
             raise IncompatibleDraft(f"EAGLE-3 draft {path} cannot draft for {target.model.path}: {compat.reason}")
-        self.model = Model(path, exact=target.exact)
+        # over RPC beside the target: its graph reads the target's token embeddings, which llama.cpp
+        # may place on a worker (a tied output), and a local graph cannot use a worker's buffer
+        self.model = Model(path, exact=target.exact, placement=target.model.placement)
         try:
             self.layers = self.model.target_layer_ids()           # low, mid, high
             if len(self.layers) != 3 or self.model.n_vocab != target.model.n_vocab:
