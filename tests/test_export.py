@@ -14,8 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from specrun.cli.main import cli
-from specrun.cli.runtime.export import hf_source
 from specrun.gguf_spec.extract import extract_mtp, extract_trunk
+from specrun.gguf_spec.source import hf_source
 from specrun.gguf_spec.testmodel import write_test_model
 from specrun.gguf_spec.testmodel_eagle3 import write_eagle3_pair
 

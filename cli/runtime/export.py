@@ -1,7 +1,7 @@
 """specrun's speculative settings in another engine's own terms: what `specrun export --to
 vllm|sglang|llama-server` prints. `export_command(plan) -> Export` is pure (nothing is read or
-loaded); `hf_source(path)` reads the one thing it needs from a GGUF's metadata: the Hugging Face
-repository the file was converted from.
+loaded); `weights(path)` reads what it needs from a GGUF's metadata (gguf_spec.source): the
+Hugging Face repository the file was converted from.
 
 The three tables below (one per engine) say, for each specrun spec type, what the engine runs
 instead, and were checked against the sources cited beside them. A row is one of:
@@ -31,15 +31,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGUFValueType, Keys
-
 from specrun.gguf_spec.errors import SpecrunError
-from specrun.gguf_spec.spec import BoundedReader, open_gguf, read_layout
+from specrun.gguf_spec.source import source
 from specrun.kernels.params import NGRAM_TYPES, SpecParams
 
 ENGINES = ("vllm", "sglang", "llama-server")
 MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp")     # drafters that run a model
-HF = "https://huggingface.co/"
 TOKENIZER_PLACEHOLDER = "<HF-REPO>"           # the user fills it in: vLLM's/SGLang's --tokenizer(-path)
 DRAFT_PLACEHOLDER = "<DRAFT-HF-REPO>"
 
@@ -82,44 +79,10 @@ class Export:
     notes: tuple[str, ...]   # lines for stderr: what differs, what to fill in
 
 
-def hf_source(path: str | os.PathLike) -> tuple[str | None, str | None]:
-    """(repository, metadata key): the Hugging Face repository this GGUF was converted from, as
-    convert_hf_to_gguf.py records it (gguf-py's Keys.General: general.source.repo_url, then
-    general.source.url, then general.repo_url / general.url unless they name a GGUF repository).
-    general.base_model.N.* is never used: it names the model this one was fine-tuned from, other
-    weights. (None, None) when the file names none. Reads metadata only."""
-    return _hf_source(open_gguf(path))
-
-
-def _hf_source(r: BoundedReader) -> tuple[str | None, str | None]:
-    for key in (Keys.General.SOURCE_REPO_URL, Keys.General.SOURCE_URL, Keys.General.REPO_URL, Keys.General.URL):
-        f = r.fields.get(key)
-        if f is None or not f.types or f.types[0] != GGUFValueType.STRING:
-            continue
-        repo = _hf_repo(str(f.contents()).strip())
-        if repo and not (key in (Keys.General.REPO_URL, Keys.General.URL) and repo.lower().endswith("gguf")):
-            return repo, key
-    return None, None
-
-
-def _hf_repo(url: str) -> str | None:
-    """'https://huggingface.co/google/gemma-3-270m' -> 'google/gemma-3-270m'; None for another site."""
-    if not url.startswith(HF):
-        return None
-    parts = url[len(HF):].strip("/").split("/")
-    return f"{parts[0]}/{parts[1]}" if len(parts) >= 2 and parts[0] and parts[1] else None
-
-
 def weights(path: str | os.PathLike) -> Weights:
-    """A resolved GGUF's Weights (metadata only)."""
-    r = open_gguf(path)
-    repo, key = _hf_source(r)
-    names = []
-    for k in (Keys.General.ORGANIZATION, Keys.General.NAME):
-        f = r.fields.get(k)
-        if f is not None and f.types and f.types[0] == GGUFValueType.STRING:
-            names.append(f"{k} '{f.contents()}'")
-    return Weights(Path(os.path.abspath(path)), repo, key, read_layout(r).nextn_layers > 0, ", ".join(names) or None)
+    """A resolved GGUF's Weights (metadata only: gguf_spec.source)."""
+    src = source(path)
+    return Weights(Path(os.path.abspath(path)), src.hf_repo, src.hf_key, src.has_mtp, src.known_as)
 
 
 def export_command(plan: Plan) -> Export:
