@@ -94,8 +94,36 @@ class Head:
         return f"noisy:{self.sigma:g}" if self.kind == "noisy" else self.kind
 
 
+class SynthShape:
+    """What the synthetic shapes share (SynthConfig; testmodel_eagle3.Eagle3Config): the checks of
+    n_embd, the vocabulary and the seed (one-line SynthConfigErrors), and the attention heads."""
+
+    __slots__ = ()
+    n_embd: int
+    n_vocab: int
+    seed: int
+
+    def check_shape(self) -> None:
+        if self.n_embd < HEAD_DIM or self.n_embd % HEAD_DIM:
+            raise SynthConfigError(
+                f"n_embd {self.n_embd} is not a positive multiple of the head size {HEAD_DIM}; "
+                f"try {max(HEAD_DIM, self.n_embd // HEAD_DIM * HEAD_DIM)}")
+        if not MIN_VOCAB <= self.n_vocab <= MAX_VOCAB:
+            raise SynthConfigError(f"vocab {self.n_vocab} is out of range [{MIN_VOCAB}, {MAX_VOCAB}]")
+        if not 0 <= self.seed < 2**63:
+            raise SynthConfigError(f"seed must be in [0, 2^63) (got {self.seed})")
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // HEAD_DIM
+
+    @property
+    def n_head_kv(self) -> int:
+        return max(1, self.n_head // 4)
+
+
 @dataclass(frozen=True, slots=True)
-class SynthConfig:
+class SynthConfig(SynthShape):
     """Shape and head of a synthetic qwen35 + MTP model. Defaults are the tiny test shape."""
 
     head: Head = Head()
@@ -108,26 +136,11 @@ class SynthConfig:
     def __post_init__(self) -> None:
         if self.trunk_layers < 1:
             raise SynthConfigError(f"trunk layers must be >= 1 (got {self.trunk_layers})")
-        if self.n_embd < HEAD_DIM or self.n_embd % HEAD_DIM:
-            raise SynthConfigError(
-                f"n_embd {self.n_embd} is not a positive multiple of the head size {HEAD_DIM}; "
-                f"try {max(HEAD_DIM, self.n_embd // HEAD_DIM * HEAD_DIM)}")
+        self.check_shape()
         if self.n_ff < 1:
             raise SynthConfigError(f"n_ff must be >= 1 (got {self.n_ff})")
-        if not MIN_VOCAB <= self.n_vocab <= MAX_VOCAB:
-            raise SynthConfigError(f"vocab {self.n_vocab} is out of range [{MIN_VOCAB}, {MAX_VOCAB}]")
-        if not 0 <= self.seed < 2**63:
-            raise SynthConfigError(f"seed must be in [0, 2^63) (got {self.seed})")
 
     # derived hyperparameters ------------------------------------------------------------------
-    @property
-    def n_head(self) -> int:
-        return self.n_embd // HEAD_DIM
-
-    @property
-    def n_head_kv(self) -> int:
-        return max(1, self.n_head // 4)
-
     @property
     def full_attention_interval(self) -> int:
         return 4 if self.trunk_layers >= 4 else 2

@@ -50,11 +50,10 @@ from .spec import (
 )
 from .testmodel import (
     HEAD_DIM,
-    MAX_VOCAB,
-    MIN_VOCAB,
     RMS_EPS,
     Head,
     SynthConfigError,
+    SynthShape,
     _gauss,
     _matrix,
     _ones,
@@ -76,7 +75,7 @@ DTYPES = ("f32", "f16", "q8_0")
 
 
 @dataclass(frozen=True, slots=True)
-class Eagle3Config:
+class Eagle3Config(SynthShape):
     """Shape and head of a synthetic llama target + EAGLE-3 draft. Defaults: the tiny test shape."""
 
     head: Head = Head()
@@ -90,27 +89,12 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         if self.n_layer < 4:
             raise SynthConfigError(f"target layers must be >= 4 for three distinct extract layers (got {self.n_layer})")
-        if self.n_embd < HEAD_DIM or self.n_embd % HEAD_DIM:
-            raise SynthConfigError(
-                f"n_embd {self.n_embd} is not a positive multiple of the head size {HEAD_DIM}; "
-                f"try {max(HEAD_DIM, self.n_embd // HEAD_DIM * HEAD_DIM)}")
-        if not MIN_VOCAB <= self.n_vocab <= MAX_VOCAB:
-            raise SynthConfigError(f"vocab {self.n_vocab} is out of range [{MIN_VOCAB}, {MAX_VOCAB}]")
+        self.check_shape()
         if self.n_ff < self.n_vocab:
             raise SynthConfigError(f"n_ff {self.n_ff} is below the vocab {self.n_vocab}: the bigram FFN "
                                    "needs one unit per token")
         if self.draft_vocab is not None and not 2 <= self.draft_vocab < self.n_vocab:
             raise SynthConfigError(f"draft vocab {self.draft_vocab} is out of range [2, {self.n_vocab - 1}]")
-        if not 0 <= self.seed < 2**63:
-            raise SynthConfigError(f"seed must be in [0, 2^63) (got {self.seed})")
-
-    @property
-    def n_head(self) -> int:
-        return self.n_embd // HEAD_DIM
-
-    @property
-    def n_head_kv(self) -> int:
-        return max(1, self.n_head // 4)
 
     @property
     def extract_layers(self) -> tuple[int, int, int]:

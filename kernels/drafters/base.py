@@ -11,7 +11,7 @@ import numpy as np
 
 from ..llama import Context, Model
 from ..sampling import inverse_cdf, position_rng, transform
-from ..types import SamplingParams, TargetPass
+from ..types import Draft, SamplingParams, TargetPass
 
 _DRAFT_STREAM = 3  # random stream of draft sampling, apart from the target's (0, 1, 2)
 
@@ -51,6 +51,30 @@ def draft_token(logits: np.ndarray, sampling: SamplingParams | None, p_min: floa
         return int(inverse_cdf(q, u)), q.astype(np.float32)
     tok, p = softmax_max(logits) if p_min > 0 else (int(np.argmax(logits)), 1.0)
     return (None, None) if p < p_min else (tok, None)
+
+
+class DraftTokens:
+    """One draft of a model drafter as it grows: add(logits, pos) drafts the token of absolute
+    position pos by draft_token() and returns it (None: stop drafting); draft() is the Draft."""
+
+    def __init__(self, sampling: SamplingParams | None, p_min: float) -> None:
+        self.sampling, self.p_min = sampling, p_min
+        self.tokens: list[int] = []
+        self._qs: list[np.ndarray] = []     # float32 [n_vocab] each, when sampled
+
+    def add(self, logits: np.ndarray, pos: int) -> int | None:
+        tok, q = draft_token(logits, self.sampling, self.p_min, pos)
+        if tok is not None:
+            self.tokens.append(tok)
+            if q is not None:
+                self._qs.append(q)
+        return tok
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def draft(self) -> Draft:
+        return Draft(np.asarray(self.tokens, dtype=np.int32), np.stack(self._qs) if self._qs else None)
 
 
 class NgramIndex:

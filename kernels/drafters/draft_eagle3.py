@@ -33,7 +33,7 @@ from specrun.gguf_spec.spec import load_spec
 
 from ..llama import Context, ContextParams, Model
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
-from .base import TargetView, draft_token
+from .base import DraftTokens, TargetView
 
 log = logging.getLogger(__name__)
 
@@ -121,19 +121,14 @@ class DraftEagle3:
             return Draft.empty()
         tok = int(ctx[-1])
         g = self.G[n_past - 1: n_past]           # g_{n_past - 1}: [1, E]
-        toks: list[int] = []
-        qs: list[np.ndarray] = []
+        d = DraftTokens(self.opts.sampling, self.opts.p_min)
         for i in range(n_max):
             self.ctx.decode_with_hidden([tok], n_past - 1 + i, g, logits="last")
             if i == 0:
                 self.rows.append(tok)            # the boundary row (id_last, g_{n_past-1}) stays
-            tok, q = draft_token(self.ctx.logits_rows()[0], self.opts.sampling, self.opts.p_min, n_past + 1 + i)
-            if tok is None:
+            if (tok := d.add(self.ctx.logits_rows()[0], n_past + 1 + i)) is None:
                 break
-            if q is not None:
-                qs.append(q)
-            toks.append(tok)
             g = self.ctx.nextn_ith(0).reshape(1, -1).copy()   # its pre-norm state: the next row's g
         if not self.ctx.seq_rm(n_past, -1):
             raise SpecrunError(f"EAGLE-3 context could not drop its draft rows after position {n_past}")
-        return Draft(np.asarray(toks, dtype=np.int32), np.stack(qs) if qs else None)
+        return d.draft()

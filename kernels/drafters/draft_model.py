@@ -20,7 +20,7 @@ from specrun.gguf_spec.spec import load_spec
 from ..llama import Context, ContextParams, Model
 from ..prefill import FastPrefill, fast_len
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
-from .base import TargetView, draft_token
+from .base import DraftTokens, TargetView
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +90,13 @@ class DraftModel:
         if n_max <= 0 or len(ctx) + n_max >= self.ctx.n_ctx:
             return Draft.empty()
         self._sync(ctx)
-        toks: list[int] = []
-        qs: list[np.ndarray] = []
+        d = DraftTokens(self.opts.sampling, self.opts.p_min)
         pos = len(ctx)  # position of the first drafted token
-        while True:
-            lg = self.ctx.logits_rows()[-1][: self.n_vocab_target]
-            tok, q = draft_token(lg, self.opts.sampling, self.opts.p_min, pos + len(toks))
-            if tok is None:
-                break
-            if q is not None:
-                qs.append(q)
-            toks.append(tok)
-            if len(toks) >= n_max:
-                break
-            self.ctx.decode([tok], pos + len(toks) - 1, "last")
+        while (tok := d.add(self.ctx.logits_rows()[-1][: self.n_vocab_target], pos + len(d))) is not None \
+                and len(d) < n_max:
+            self.ctx.decode([tok], pos + len(d) - 1, "last")
             self.kv.append(tok)
-        return Draft(np.asarray(toks, dtype=np.int32), np.stack(qs) if qs else None)
+        return d.draft()
 
     def accept(self, tp: TargetPass) -> None:
         """Forget the drafted tokens the target rejected, so the next propose() re-syncs from the

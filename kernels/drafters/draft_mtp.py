@@ -21,7 +21,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from ..llama import Context, ContextParams, Model
 from ..types import Draft, DraftOptions, TargetPass
-from .base import TargetView, draft_token
+from .base import DraftTokens, TargetView
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +101,13 @@ class DraftMTP:
             return Draft.empty()
         tok = int(ctx[-1])
         h = self.H[n_past: n_past + 1]           # h_{n_past - 1}, [1, E]
-        toks: list[int] = []
-        qs: list[np.ndarray] = []
+        d = DraftTokens(self.opts.sampling, self.opts.p_min)
         for i in range(n_max):
             self._head(i)
             self.ctx.decode_with_hidden([tok], n_past + i, h, logits="last")
-            tok, q = draft_token(self.ctx.logits_rows()[0], self.opts.sampling, self.opts.p_min, n_past + 1 + i)
-            if tok is None:
+            if (tok := d.add(self.ctx.logits_rows()[0], n_past + 1 + i)) is None:
                 break
-            if q is not None:
-                qs.append(q)
-            toks.append(tok)
             h = self.ctx.nextn_ith(0).reshape(1, -1).copy()
         if not self.ctx.seq_rm(n_past, -1):
             raise SpecrunError(f"MTP context could not drop its draft rows after position {n_past}")
-        return Draft(np.asarray(toks, dtype=np.int32), np.stack(qs) if qs else None)
+        return d.draft()
