@@ -3,6 +3,7 @@
     python benchmarks/peers.py --llama-server build/peers/cmake/bin/llama-server [--reps 3] [-n 128]
         [--workloads free,code-rewrite] [--settings none,ngram-simple] [--readme]
     python benchmarks/peers.py --from-json benchmarks/results/peers.json --readme   # re-render, no run
+    python benchmarks/peers.py --table spec --readme     # the spec table: n-gram family and draft-eagle3
 
 `make bench-peers` builds llama-server once (build/peers/) from the llama-cpp-python sdist the
 project pins, so both servers run the same llama.cpp, and runs this with --readme.
@@ -19,6 +20,17 @@ llama.cpp accepts every greedy draft), with the same -md flags for both servers.
 median over the reps; `× none` is a system's median over its own `none` median, `= none` whether
 every rep's text equals that system's own `none` text. Writes benchmarks/results/peers.json (every
 request) and peers.md (the table); --readme puts the table between README.md's peers markers.
+
+`--table spec` (issue 15, item 4) is a second table from a second run, with its own results
+(benchmarks/results/spec_peers.json / .md) and README markers (spec-peers), so neither run can
+wipe the other's rows: llama.cpp's n-gram family (ngram-simple, ngram-map-k, ngram-map-k4v,
+ngram-mod, ngram-cache, each with llama.cpp's default flags, the same to both servers) on the
+input-grounded workloads, and draft-eagle3 at n-max 3, 5 and 7 on the synthetic pair. Besides
+tok/s, × none and = none it shows, for both systems, acceptance = Σ draft_n_accepted / Σ draft_n
+and tokens per target pass = Σ n_predicted / Σ (n_predicted − draft_n_accepted), summed over the
+kept reps, from each server's /completion `timings` (llama-server leaves draft_n out when it
+drafted nothing: 0). A server that exits while starting, refuses a flag or fails a request is
+recorded (its log's last error line) and shown in the table instead of its numbers.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 LOGS = ROOT / "build" / "peers" / "logs"
 MODELS = ROOT / "build" / "peers" / "models"
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
+SPEC_BEGIN, SPEC_END = "<!-- spec-peers:begin -->", "<!-- spec-peers:end -->"
 SYSTEMS = ("specrun", "llama-server")
 # Sent (1 token asked) before every measured request: specrun reuses the slot's KV prefix whatever
 # cache_prompt says, and its fast prompt context keeps whole 512-token blocks of earlier prompts; an
@@ -94,15 +107,44 @@ WORKLOADS = (
 )
 PEER_SETTINGS = ("none", "ngram-simple", "ngram-simple n3 m16")   # issue 12: auto >= llama-server's best of these
 NGRAM = ("--spec-type", "ngram-simple")
+# llama.cpp's other n-gram drafters, each with its defaults (common/common.h: map-k and map-k4v size-n 12,
+# size-m 48, min-hits 1; ngram-mod n-match 24, n-min 48, n-max 64; ngram-cache without lookup files)
+NGRAM_FAMILY = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+EAGLE3_N_MAX = (3, 5, 7)
 SETTINGS = (
     Setting("none", ("--spec-type", "none")),
     Setting("ngram-simple", NGRAM),
     Setting("ngram-simple n3 m16", NGRAM + ("--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "16",
                                             "--spec-draft-n-max", "16")),
     Setting("auto", ("--spec-type", "auto"), ("specrun",)),
+    *(Setting(t, ("--spec-type", t)) for t in NGRAM_FAMILY),
     *(Setting(f"draft-eagle3 n-max {k}", ("-md", "{eagle3}", "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k)),
-              models=(EAGLE3_MODEL,)) for k in (3, 7)),
+              models=(EAGLE3_MODEL,)) for k in EAGLE3_N_MAX),
 )
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    begin: str                   # README markers
+    end: str
+    out: str                     # under benchmarks/results/: the run's JSON (the markdown: .md next to it)
+    workloads: tuple[str, ...]   # what a run for this table measures unless --workloads / --settings say
+    settings: tuple[str, ...]
+
+
+TABLES = {
+    "peers": Table("peers", BEGIN, END, "peers.json", tuple(w.name for w in WORKLOADS),
+                   (*PEER_SETTINGS, "auto", "draft-eagle3 n-max 3", "draft-eagle3 n-max 7")),
+    # issue 15, item 4: the n-gram family where the output can reuse the input, and draft-eagle3 at each n-max
+    "spec": Table("spec", SPEC_BEGIN, SPEC_END, "spec_peers.json",
+                  ("code-rewrite", "verbatim", "json-table", "summary", "chat-reuse", "eagle3-free"),
+                  ("none", "ngram-simple", *NGRAM_FAMILY, *(f"draft-eagle3 n-max {k}" for k in EAGLE3_N_MAX))),
+}
+
+
+class ServerFailed(Exception):
+    """A server exited while starting, never answered /health, or failed a request."""
 
 
 # ---- running the servers -------------------------------------------------------------------------
@@ -155,15 +197,14 @@ def serving(cmd: list[str], log: Path, timeout: float = 600.0):
             t0 = time.monotonic()
             while True:
                 if proc.poll() is not None:
-                    raise SystemExit(f"{cmd[0]} exited with {proc.returncode} while starting; "
-                                     f"the last lines of {log}:\n{tail(log)}")
+                    raise ServerFailed(f"exited with {proc.returncode} while starting: {last_error(log)}")
                 try:
                     if http(url + "/health", timeout=5)[0] == 200:
                         break
                 except OSError:
                     pass
                 if time.monotonic() - t0 > timeout:
-                    raise SystemExit(f"{cmd[0]} did not answer /health in {timeout:.0f} s; see {log}")
+                    raise ServerFailed(f"no answer on /health in {timeout:.0f} s")
                 time.sleep(0.5)
             yield url, proc.pid
         finally:
@@ -216,20 +257,45 @@ def wait_quiet(max_busy: float, limit_s: float) -> float:
     return busy
 
 
-def tail(log: Path, n: int = 15) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+def last_error(log: Path) -> str:
+    """The last line of a server's log that names an error (else its last line), for the table."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"error|invalid|unknown|abort|exception|what\(\)", ln, re.I)]
+    return (errors or lines or ["(empty log)"])[-1][:200]
 
 
 def complete(url: str, prompt: str, n_predict: int) -> dict:
     status, d = http(url + "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0,
                                            "cache_prompt": False, "stream": False})
     if status != 200:
-        raise SystemExit(f"POST {url}/completion answered {status}: {d}")
+        raise ServerFailed(f"POST /completion answered {status}: {str(d)[:200]}")
     t = d["timings"]
     spec = d.get("generation_settings", {}).get("speculative")
     return {"gen_tps": t["predicted_per_second"], "prompt_tps": t["prompt_per_second"], "prompt_n": t["prompt_n"],
             "predicted_n": t["predicted_n"], "draft_n": t.get("draft_n"), "draft_n_accepted": t.get("draft_n_accepted"),
             "tokens_evaluated": d.get("tokens_evaluated"), "text": d["content"], "spec": spec}
+
+
+def measure(url: str, pid: int, prompt: str, name: str, rep: int, args) -> dict:
+    """One kept request: flush, then `prompt`; measured again while it reused the last prompt or other
+    work took more than --max-busy of the CPUs (rep < 0, the warm-up: only the reuse check)."""
+    for attempt in range(args.retries + 1):
+        complete(url, FLUSH, 1)
+        before = cpu_ticks(), cpu_ticks(pid)
+        r = complete(url, prompt, args.n_predict)
+        r["others_busy"] = others_share(before, (cpu_ticks(), cpu_ticks(pid)))
+        r["attempt"] = attempt
+        reused = r["prompt_n"] < (r["tokens_evaluated"] or 0) - 1     # all but BOS
+        print(f"[peers]   {'warm-up' if rep < 0 else f'rep {rep + 1}'} {name}: "
+              f"{r['gen_tps']:.1f} tok/s, prompt {r['prompt_tps']:.0f} tok/s "
+              f"({r['prompt_n']} of {r['tokens_evaluated']} tokens evaluated), other work "
+              f"{r['others_busy']:.0%}", file=sys.stderr, flush=True)
+        if reused and attempt < args.retries:
+            continue
+        if rep < 0 or r["others_busy"] <= args.max_busy or attempt == args.retries:
+            break
+        wait_quiet(args.max_busy, 120)      # then measure this one again
+    return r
 
 
 def model_path(specrun: str, name: str) -> str:
@@ -240,7 +306,7 @@ def model_path(specrun: str, name: str) -> str:
 
 
 def run(args) -> dict:
-    workloads = [w for w in WORKLOADS if w.name in args.workloads]
+    workloads = [next(w for w in WORKLOADS if w.name == n) for n in dict.fromkeys(args.workloads)]   # in that order
     settings = [s for s in SETTINGS if s.name in args.settings]
     systems = [s for s in SYSTEMS if s in args.systems]
     texts = {w.name: (PROMPTS / w.file).read_text(encoding="utf-8") for w in workloads}
@@ -258,31 +324,24 @@ def run(args) -> dict:
                 load = os.getloadavg()[0]
                 print(f"[peers] {model} / {setting.name} / {system} (others busy {busy:.0%}, load {load:.2f})",
                       file=sys.stderr, flush=True)
-                with serving(cmd, log) as (url, pid):
-                    for rep in range(-1, args.reps):          # rep -1: the warm-up, not kept
-                        for w in mine:
-                            for attempt in range(args.retries + 1):
-                                complete(url, FLUSH, 1)
-                                before = cpu_ticks(), cpu_ticks(pid)
-                                r = complete(url, texts[w.name], args.n_predict)
-                                r["others_busy"] = others_share(before, (cpu_ticks(), cpu_ticks(pid)))
-                                r["attempt"] = attempt
-                                reused = r["prompt_n"] < (r["tokens_evaluated"] or 0) - 1     # all but BOS
-                                print(f"[peers]   {'warm-up' if rep < 0 else f'rep {rep + 1}'} {w.name}: "
-                                      f"{r['gen_tps']:.1f} tok/s, prompt {r['prompt_tps']:.0f} tok/s "
-                                      f"({r['prompt_n']} of {r['tokens_evaluated']} tokens evaluated), other work "
-                                      f"{r['others_busy']:.0%}", file=sys.stderr, flush=True)
-                                if reused and attempt < args.retries:
-                                    continue
-                                if rep < 0 or r["others_busy"] <= args.max_busy or attempt == args.retries:
-                                    break
-                                wait_quiet(args.max_busy, 120)      # then measure this one again
-                            if rep >= 0:
-                                requests.append({"model": model, "workload": w.name, "setting": setting.name,
+                kept, error = [], None
+                try:
+                    with serving(cmd, log) as (url, pid):
+                        for rep in range(-1, args.reps):          # rep -1: the warm-up, not kept
+                            for w in mine:
+                                r = measure(url, pid, texts[w.name], w.name, rep, args)
+                                if rep >= 0:
+                                    kept.append({"model": model, "workload": w.name, "setting": setting.name,
                                                  "system": system, "rep": rep, **r})
-                auto = re.findall(r"spec auto: .*", log.read_text(errors="replace"))
+                except (ServerFailed, OSError) as e:           # OSError: the connection died with the server
+                    error = f"{e}" if isinstance(e, ServerFailed) else f"{type(e).__name__}: {e}; {last_error(log)}"
+                    print(f"[peers]   failed: {error} (see {log})", file=sys.stderr, flush=True)
+                    kept = []                                   # a server that failed keeps no numbers
+                requests += kept
+                auto = re.findall(r"spec auto: .*", log.read_text(errors="replace")) if log.is_file() else []
                 servers.append({"model": model, "setting": setting.name, "system": system, "command": cmd,
-                                "load_avg_1m": load, "busy_before": busy, "auto": auto[-1] if auto else None})
+                                "load_avg_1m": load, "busy_before": busy, "auto": auto[-1] if auto else None,
+                                "error": error})
     return {"meta": info, "servers": servers, "requests": requests}
 
 
@@ -308,7 +367,12 @@ def meta(args, texts: dict) -> dict:
 
 def summarize(requests: list[dict]) -> list[dict]:
     """One row per (workload, setting, system): medians over reps, the ratio to the same system's
-    `none`, whether every rep's text equals that system's `none` text (of its first rep)."""
+    `none`, whether every rep's text equals that system's `none` text (of its first rep), and over
+    all reps together: drafted, accepted, acceptance = accepted / drafted (None: nothing drafted)
+    and tokens per target pass = predicted / (predicted - accepted).
+
+    Example: 3 reps of 128 tokens, 300 drafted, 256 accepted: acceptance 0.85, 384 / 128 = 3.0
+    tokens per pass."""
     groups: dict[tuple, list[dict]] = {}
     for r in requests:
         groups.setdefault((r["workload"], r["setting"], r["system"]), []).append(r)
@@ -317,12 +381,17 @@ def summarize(requests: list[dict]) -> list[dict]:
         none = groups.get((workload, "none", system))
         gen, prompt = statistics.median(r["gen_tps"] for r in rs), statistics.median(r["prompt_tps"] for r in rs)
         none_gen = statistics.median(r["gen_tps"] for r in none) if none else None
+        drafted = sum(r.get("draft_n") or 0 for r in rs)           # llama-server omits it when 0
+        accepted = sum(r.get("draft_n_accepted") or 0 for r in rs)
+        predicted = sum(r["predicted_n"] for r in rs)
         rows.append({"workload": workload, "setting": setting, "system": system, "gen_tps": gen, "prompt_tps": prompt,
                      "gen_min": min(r["gen_tps"] for r in rs), "gen_max": max(r["gen_tps"] for r in rs),
                      "prompt_n": statistics.median(r["prompt_n"] for r in rs),
                      "predicted_n": statistics.median(r["predicted_n"] for r in rs),
                      "x_none": gen / none_gen if none_gen else None,
                      "equal_none": all(r["text"] == none[0]["text"] for r in rs) if none else None,
+                     "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
+                     "tokens_per_pass": predicted / (predicted - accepted) if predicted > accepted else None,
                      "spec": rs[0].get("spec"), "text": rs[0]["text"]})
     return rows
 
@@ -352,24 +421,47 @@ def _eq(x: bool | None) -> str:
     return "—" if x is None else ("yes" if x else "**no**")
 
 
+def preamble(data: dict, ranges: bool = True) -> str:
+    """The paragraph above a table: when, what, how, and how busy the machine was."""
+    m = data["meta"]
+    dirty = f", with uncommitted changes in {', '.join(m['dirty'])}" if m["dirty"] else ""
+    text = (f"Measured {m['date']} at commit `{m['commit']}`{dirty}; {m['cpu']}, {m['cores']} cores; llama-server "
+            f"`{m['llama_server_version'] or '?'}`. Each server alone, {m['threads']} threads, context {m['ctx']}, "
+            f"greedy, n_predict {m['n_predict']}; tokens/s are each server's own `timings`, the median of "
+            f"{m['reps']} requests after one warm-up{' (min–max in brackets)' if ranges else ''}. `× none` is "
+            "against the same system's `none`; `= none` compares the text with that system's own `none` text.")
+    during = [r["others_busy"] for r in data["requests"] if r.get("others_busy") is not None]
+    if during:
+        cap = m.get("max_busy", 0.25)
+        text += (f" Other work on the machine while a kept request ran: median {statistics.median(during):.0%} of "
+                 f"the CPUs, {sum(x > cap for x in during)} of {len(during)} requests above {cap:.0%} "
+                 f"({sum(r.get('attempt', 0) for r in data['requests'])} measured again for that).")
+    return text
+
+
+def workload_lines(data: dict, rows: list[dict], workloads: list[str]) -> list[str]:
+    m = data["meta"]
+    out = ["", "Workloads (prompt files under `benchmarks/prompts/`; prompt tokens as the servers evaluated them):", ""]
+    for w in workloads:
+        info = m["workloads"][w]
+        ns = sorted({int(r["prompt_n"]) for r in rows if r["workload"] == w})
+        out.append(f"- `{w}` ({info['model']}, `{Path(info['file']).name}`, {' / '.join(map(str, ns)) or 'no'} prompt "
+                   f"tokens): {info['what']}")
+    return out
+
+
+def failures(data: dict) -> dict[tuple[str, str, str], str]:
+    """(model, setting, system) -> why its server failed, for every server of the run that did."""
+    return {(sv["model"], sv["setting"], sv["system"]): sv["error"] for sv in data.get("servers", []) if sv.get("error")}
+
+
 def markdown(data: dict) -> str:
     m, rows = data["meta"], summarize(data["requests"])
     by = {(r["workload"], r["setting"], r["system"]): r for r in rows}
     workloads = list(dict.fromkeys(r["workload"] for r in data["requests"]))
     settings = [s.name for s in SETTINGS if any(r["setting"] == s.name for r in rows)]
     autos = {sv["model"]: sv["auto"] for sv in data.get("servers", []) if sv["setting"] == "auto"}
-    dirty = f", with uncommitted changes in {', '.join(m['dirty'])}" if m["dirty"] else ""
-    out = [f"Measured {m['date']} at commit `{m['commit']}`{dirty}; {m['cpu']}, {m['cores']} cores; llama-server "
-           f"`{m['llama_server_version'] or '?'}`. Each server alone, {m['threads']} threads, context {m['ctx']}, "
-           f"greedy, n_predict {m['n_predict']}; tokens/s are each server's own `timings`, the median of "
-           f"{m['reps']} requests after one warm-up (min–max in brackets). `× none` is against the same system's "
-           "`none`; `= none` compares the text with that system's own `none` text."]
-    during = [r["others_busy"] for r in data["requests"] if r.get("others_busy") is not None]
-    if during:
-        cap = m.get("max_busy", 0.25)
-        out[0] += (f" Other work on the machine while a kept request ran: median {statistics.median(during):.0%} of "
-                   f"the CPUs, {sum(x > cap for x in during)} of {len(during)} requests above {cap:.0%} "
-                   f"({sum(r.get('attempt', 0) for r in data['requests'])} measured again for that).")
+    out = [preamble(data)]
     out += ["",
             "| workload | setting | specrun tok/s | × none | = none | llama-server tok/s | × none | = none "
             "| specrun ÷ llama-server | specrun prompt tok/s | llama-server prompt tok/s | prompt ÷ |",
@@ -409,26 +501,103 @@ def markdown(data: dict) -> str:
         out += ["", f"Where `auto` chose `none`, its row measures `none` again in another server process: the two "
                     f"differ by {statistics.median(dev):.0%} in the median and up to {max(dev):.0%} ({len(dev)} "
                     "workloads), this machine's run-to-run spread; smaller differences between rows mean little."]
-    out += ["", "Workloads (prompt files under `benchmarks/prompts/`; prompt tokens as the servers evaluated them):", ""]
-    for w in workloads:
-        info = m["workloads"][w]
-        ns = sorted({int(r["prompt_n"]) for r in rows if r["workload"] == w})
-        out.append(f"- `{w}` ({info['model']}, `{Path(info['file']).name}`, {' / '.join(map(str, ns))} prompt "
-                   f"tokens): {info['what']}")
-    both = [w for w in workloads if (w, "none", "specrun") in by and (w, "none", "llama-server") in by]
-    if both:
-        eq = [w for w in both if by[(w, "none", "specrun")]["text"] == by[(w, "none", "llama-server")]["text"]]
-        out += ["", f"`none` text identical between specrun and llama-server: {len(eq)} of {len(both)} workloads"
-                    + (f" (differs: {', '.join(w for w in both if w not in eq)})." if len(eq) < len(both) else ".")]
+    out += workload_lines(data, rows, workloads)
+    out += none_identical(by, workloads)
+    failed = failures(data)
+    if failed:
+        out += ["", "Failed (no numbers): " + "; ".join(f"{md} / {s} / {sy}: {e}" for (md, s, sy), e in failed.items())
+                + "."]
     return "\n".join(out) + "\n"
 
 
-def replace_block(text: str, block: str) -> str:
-    """README text with everything between the peers markers replaced by `block`."""
-    i, j = text.find(BEGIN), text.find(END)
+def none_identical(by: dict, workloads: list[str]) -> list[str]:
+    both = [w for w in workloads if (w, "none", "specrun") in by and (w, "none", "llama-server") in by]
+    if not both:
+        return []
+    eq = [w for w in both if by[(w, "none", "specrun")]["text"] == by[(w, "none", "llama-server")]["text"]]
+    return ["", f"`none` text identical between specrun and llama-server: {len(eq)} of {len(both)} workloads"
+                + (f" (differs: {', '.join(w for w in both if w not in eq)})." if len(eq) < len(both) else ".")]
+
+
+def _acc(r: dict) -> str:
+    """acceptance with its counts, as llama.cpp prints it: 0.85 (256 / 300)."""
+    return "—" if r["acceptance"] is None else f"{r['acceptance']:.2f} ({r['accepted']} / {r['drafted']})"
+
+
+def spec_markdown(data: dict) -> str:
+    """The spec table (--table spec): for each workload and setting of the run, both systems' tok/s,
+    × none, acceptance, tokens per target pass and = none, then specrun ÷ llama-server; a server
+    that failed shows why. Under it: draft-eagle3's best n-max against the goals of issue 15, item 4
+    (≥ 2.5× over none; ≥ 1.0× llama-server at that setting) and every row where llama-server's
+    output differs from its own `none`."""
+    m, rows = data["meta"], summarize(data["requests"])
+    by = {(r["workload"], r["setting"], r["system"]): r for r in rows}
+    failed = failures(data)
+    workloads = [w for w in m["workloads"] if any(r["workload"] == w for r in rows)
+                 or any(sv.get("error") and sv["model"] == m["workloads"][w]["model"] for sv in data.get("servers", []))]
+    ran = {(sv["model"], sv["setting"]) for sv in data.get("servers", [])}
+    ran |= {(r["model"], r["setting"]) for r in data["requests"]}
+    out = [preamble(data, ranges=False) + " Acceptance is draft tokens accepted / drafted and tokens/pass is "
+           "n_predicted / (n_predicted − accepted), both over the kept reps together, from each server's `timings`; "
+           "`—` where nothing was drafted.",
+           "",
+           "| workload | setting | specrun tok/s | × none | acceptance | tokens/pass | = none "
+           "| llama-server tok/s | × none | acceptance | tokens/pass | = none | specrun ÷ llama-server |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    differs = []
+    for w in workloads:
+        model = m["workloads"][w]["model"]
+        for s in (s.name for s in SETTINGS if (model, s.name) in ran):
+            cells = [w, s]
+            pair = [by.get((w, s, sy)) for sy in SYSTEMS]
+            for sy, r in zip(SYSTEMS, pair, strict=True):
+                if r:
+                    cells += [f"{r['gen_tps']:.1f}", _f(r["x_none"], ".2f"), _acc(r), _f(r["tokens_per_pass"], ".2f"),
+                              _eq(r["equal_none"])]
+                elif (model, s, sy) in failed:
+                    cells += [f"failed: {failed[(model, s, sy)]}", "—", "—", "—", "—"]
+                else:
+                    cells += ["not run"] + ["—"] * 4
+            a, b = pair
+            cells.append(_f(a["gen_tps"] / b["gen_tps"] if a and b else None, ".2f"))
+            if b and b["equal_none"] is False:
+                differs.append(f"{w} / {s}")
+            out.append("| " + " | ".join(cells) + " |")
+    out += eagle3_verdict(by, workloads)
+    if differs:
+        out += ["", f"llama-server's output differs from its own `none` on: {', '.join(differs)}."]
+    elif any(r["system"] == "llama-server" and r["setting"] != "none" for r in rows):
+        out += ["", "llama-server's output equals its own `none` on every row."]
+    out += workload_lines(data, rows, workloads)
+    out += none_identical(by, workloads)
+    return "\n".join(out) + "\n"
+
+
+def eagle3_verdict(by: dict, workloads: list[str]) -> list[str]:
+    """Issue 15, item 4's goals for the realistic exact EAGLE-3 head, per EAGLE-3 workload: specrun's
+    best n-max ≥ 2.5× over its none, and ≥ 1.0× llama-server's tok/s at that setting."""
+    out = []
+    for w in workloads:
+        mine = [by[k] for k in by if k[0] == w and k[2] == "specrun" and k[1].startswith("draft-eagle3")
+                and by[k]["x_none"] is not None]
+        if not mine:
+            continue
+        best = max(mine, key=lambda r: r["gen_tps"])
+        peer = by.get((w, best["setting"], "llama-server"))
+        ratio = best["gen_tps"] / peer["gen_tps"] if peer else None
+        out += ["", f"`{w}`: specrun's best EAGLE-3 setting is {best['setting']}, {best['x_none']:.2f}× its `none` "
+                    f"(goal ≥ 2.5×: {'met' if best['x_none'] >= 2.5 else '**not met**'}); specrun ÷ llama-server "
+                    f"there: {_f(ratio, '.2f')} (goal ≥ 1.0: "
+                    f"{'—' if ratio is None else 'met' if ratio >= 1.0 else '**not met**'})."]
+    return out
+
+
+def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """README text with everything between the markers `begin` and `end` replaced by `block`."""
+    i, j = text.find(begin), text.find(end)
     if i < 0 or j < i:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
-    return text[:i + len(BEGIN)] + "\n" + block + text[j:]
+        raise SystemExit(f"README.md has no {begin} ... {end} block")
+    return text[:i + len(begin)] + "\n" + block + text[j:]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -439,8 +608,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
-    ap.add_argument("--settings", default=",".join(s.name for s in SETTINGS))
+    ap.add_argument("--table", choices=sorted(TABLES), default="peers",
+                    help="peers: speed against llama-server (README's peers markers, results/peers.json); spec: "
+                         "n-gram family and draft-eagle3 with acceptance and tokens per pass (spec-peers markers, "
+                         "results/spec_peers.json). Sets the defaults of --workloads, --settings and --out")
+    ap.add_argument("--workloads", help="comma-separated (default: the table's)")
+    ap.add_argument("--settings", help="comma-separated (default: the table's)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--max-busy", type=float, default=0.25,
                     help="before each server, wait until other work uses at most this share of the CPUs")
@@ -448,12 +621,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--retries", type=int, default=5,
                     help="measure a request again (at most this often) when other work took more than --max-busy "
                          "of the CPUs while it ran")
-    ap.add_argument("--out", default=str(RESULTS / "peers.json"), help="JSON; the markdown goes next to it (.md)")
+    ap.add_argument("--out", help="JSON; the markdown goes next to it (.md) (default: the table's, in benchmarks/results)")
     ap.add_argument("--from-json", help="render an earlier run's JSON (its .md next to it) instead of measuring")
     ap.add_argument("--readme", action="store_true", help="put the table between README.md's peers markers")
     args = ap.parse_args(argv)
+    table = TABLES[args.table]
+    args.out = args.out or str(RESULTS / table.out)
     for opt, known in (("workloads", WORKLOADS), ("settings", SETTINGS)):
-        names = [x.strip() for x in getattr(args, opt).split(",") if x.strip()]
+        names = [x.strip() for x in (getattr(args, opt) or ",".join(getattr(table, opt))).split(",") if x.strip()]
         bad = set(names) - {k.name for k in known}
         if bad:
             ap.error(f"--{opt}: unknown {', '.join(sorted(bad))} (known: {', '.join(k.name for k in known)})")
@@ -472,13 +647,14 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1) + "\n")
-    table = markdown(data)
-    Path(args.from_json or args.out).with_suffix(".md").write_text(table)
-    print(table)
-    if args.readme:
+    md = (spec_markdown if table.name == "spec" else markdown)(data)
+    Path(args.from_json or args.out).with_suffix(".md").write_text(md)
+    print(md)
+    if args.readme:                                 # only this table's block: the other table's rows stay
         readme = ROOT / "README.md"
-        readme.write_text(replace_block(readme.read_text(encoding="utf-8"), table), encoding="utf-8")
-        print(f"[peers] README.md: the table between {BEGIN} and {END} replaced", file=sys.stderr)
+        readme.write_text(replace_block(readme.read_text(encoding="utf-8"), md, table.begin, table.end),
+                          encoding="utf-8")
+        print(f"[peers] README.md: the table between {table.begin} and {table.end} replaced", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """benchmarks/peers.py (specrun serve vs llama-server): the table's medians, ratios and `= none`
-column from fake timings, the README block replacement, and that every workload's prompt file is
-there. Nothing here starts a server or asserts a measured time."""
+column from fake timings, the spec table (acceptance, tokens per pass, a failed server, the EAGLE-3
+goals) from a small fixed JSON, the README block replacement, and that every workload's prompt file
+is there. Nothing here starts a server or asserts a measured time."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ sys.modules["peers"] = peers                      # dataclasses look their modul
 _spec.loader.exec_module(peers)
 
 
-def req(system, setting, rep, gen, prompt, text="same", workload="code-rewrite", n=40):
-    return {"model": "gemma-3-270m", "workload": workload, "setting": setting, "system": system, "rep": rep,
+def req(system, setting, rep, gen, prompt, text="same", workload="code-rewrite", n=40, model="gemma-3-270m",
+        drafted=None, accepted=None):
+    return {"model": model, "workload": workload, "setting": setting, "system": system, "rep": rep,
             "gen_tps": gen, "prompt_tps": prompt, "prompt_n": n, "predicted_n": 128, "tokens_evaluated": n,
-            "text": text, "spec": None}
+            "text": text, "spec": None, "draft_n": drafted, "draft_n_accepted": accepted}
 
 
 def fake_run() -> dict:
@@ -103,3 +105,146 @@ def test_eagle3_settings_run_on_the_synthetic_pair_only():
     assert none.applies(peers.EAGLE3_MODEL) and none.applies("gemma-3-270m")
     assert ngram.applies("gemma-3-270m") and not ngram.applies(peers.EAGLE3_MODEL)
     assert any(w.model == peers.EAGLE3_MODEL for w in peers.WORKLOADS)
+
+
+# ---- the spec table (issue 15, item 4) -------------------------------------------------------------
+
+E3 = "draft-eagle3 n-max {}".format
+
+
+def spec_run() -> dict:
+    """Two workloads: ngram-map-k on code-rewrite (llama-server refused ngram-cache), draft-eagle3 on the
+    synthetic pair; llama-server omits draft_n when it drafted nothing (None here)."""
+    rs = []
+    for rep in range(2):
+        rs += [req("specrun", "none", rep, 50, 500, drafted=0, accepted=0),
+               req("llama-server", "none", rep, 40, 600),
+               req("specrun", "ngram-map-k", rep, 75, 500, drafted=100, accepted=64),     # 256 / 128: 2.00
+               req("llama-server", "ngram-map-k", rep, 60, 600, drafted=80, accepted=32,
+                   text="same" if rep else "other"),                                       # 256 / 192: 1.33
+               req("specrun", "ngram-cache", rep, 49, 500, drafted=0, accepted=0)]
+        for sy, none, tps in (("specrun", 60, (150, 170, 160)), ("llama-server", 50, (140, 130, 180))):
+            rs.append(req(sy, "none", rep, none, 300, workload="eagle3-free", model=peers.EAGLE3_MODEL))
+            for k, t, n in zip((3, 5, 7), tps, (96, 100, 112), strict=True):       # every draft accepted
+                rs.append(req(sy, E3(k), rep, t, 300, workload="eagle3-free", model=peers.EAGLE3_MODEL,
+                              drafted=n, accepted=n))
+    servers = [{"model": "gemma-3-270m", "setting": s, "system": sy, "auto": None, "error": None}
+               for s in ("none", "ngram-map-k") for sy in peers.SYSTEMS]
+    servers += [{"model": "gemma-3-270m", "setting": "ngram-cache", "system": "specrun", "auto": None, "error": None},
+                {"model": "gemma-3-270m", "setting": "ngram-cache", "system": "llama-server", "auto": None,
+                 "error": "exited with 1 while starting: error: unknown value for --spec-type: ngram-cache"}]
+    servers += [{"model": peers.EAGLE3_MODEL, "setting": s, "system": sy, "auto": None, "error": None}
+                for s in ("none", E3(3), E3(5), E3(7)) for sy in peers.SYSTEMS]
+    meta = {"date": "2026-01-03", "commit": "abc1234", "dirty": [], "cpu": "CPU", "cores": 2,
+            "llama_server_version": "version: 1 (deadbee)", "threads": 2, "ctx": 4096, "n_predict": 128, "reps": 2,
+            "max_busy": 0.25,
+            "workloads": {"code-rewrite": {"model": "gemma-3-270m", "file": "benchmarks/prompts/code_rewrite.txt",
+                                           "what": "rewrite"},
+                          "eagle3-free": {"model": peers.EAGLE3_MODEL, "file": "benchmarks/prompts/free.txt",
+                                          "what": "free text"}}}
+    return {"meta": meta, "servers": servers, "requests": rs}
+
+
+@pytest.mark.parametrize("setting, system, acceptance, tokens_per_pass, drafted", [
+    ("none", "specrun", None, 1.0, 0),
+    ("none", "llama-server", None, 1.0, 0),                  # draft_n absent: nothing drafted
+    ("ngram-map-k", "specrun", 0.64, 2.0, 200),
+    ("ngram-map-k", "llama-server", 0.4, 256 / 192, 160),
+    ("ngram-cache", "specrun", None, 1.0, 0),
+])
+def test_summary_acceptance_and_tokens_per_pass(setting, system, acceptance, tokens_per_pass, drafted):
+    rows = {(r["setting"], r["system"]): r for r in peers.summarize(spec_run()["requests"])
+            if r["workload"] == "code-rewrite"}
+    r = rows[(setting, system)]
+    assert r["drafted"] == drafted
+    assert r["acceptance"] == (None if acceptance is None else pytest.approx(acceptance))
+    assert r["tokens_per_pass"] == pytest.approx(tokens_per_pass)
+
+
+def spec_cells(md: str, workload: str) -> dict[str, list[str]]:
+    return {cells[1]: cells for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in md.splitlines()
+                                          if ln.startswith(f"| {workload} |"))}
+
+
+@pytest.mark.parametrize("workload, setting, cells", [
+    ("code-rewrite", "none", ["50.0", "1.00", "—", "1.00", "yes", "40.0", "1.00", "—", "1.00", "yes", "1.25"]),
+    ("code-rewrite", "ngram-map-k", ["75.0", "1.50", "0.64 (128 / 200)", "2.00", "yes",
+                                     "60.0", "1.50", "0.40 (64 / 160)", "1.33", "**no**", "1.25"]),
+    ("code-rewrite", "ngram-cache", ["49.0", "0.98", "—", "1.00", "yes",
+                                     "failed: exited with 1 while starting: error: unknown value for --spec-type: "
+                                     "ngram-cache", "—", "—", "—", "—", "—"]),
+    ("eagle3-free", "none", ["60.0", "1.00", "—", "1.00", "yes", "50.0", "1.00", "—", "1.00", "yes", "1.20"]),
+    ("eagle3-free", E3(5), ["170.0", "2.83", "1.00 (200 / 200)", "4.57", "yes",
+                            "130.0", "2.60", "1.00 (200 / 200)", "4.57", "yes", "1.31"]),
+    ("eagle3-free", E3(7), ["160.0", "2.67", "1.00 (224 / 224)", "8.00", "yes",
+                            "180.0", "3.60", "1.00 (224 / 224)", "8.00", "yes", "0.89"]),
+])
+def test_spec_markdown_rows(workload, setting, cells):
+    assert spec_cells(peers.spec_markdown(spec_run()), workload)[setting][2:] == cells
+
+
+def test_spec_markdown_only_the_run_settings_and_the_verdicts():
+    md = peers.spec_markdown(spec_run())
+    assert list(spec_cells(md, "code-rewrite")) == ["none", "ngram-map-k", "ngram-cache"]        # in SETTINGS order
+    assert list(spec_cells(md, "eagle3-free")) == ["none", E3(3), E3(5), E3(7)]
+    assert "`eagle3-free`: specrun's best EAGLE-3 setting is draft-eagle3 n-max 5, 2.83× its `none` " \
+           "(goal ≥ 2.5×: met); specrun ÷ llama-server there: 1.31 (goal ≥ 1.0: met)." in md
+    assert "llama-server's output differs from its own `none` on: code-rewrite / ngram-map-k." in md
+    assert "| workload | setting | specrun tok/s | × none | acceptance | tokens/pass | = none | llama-server tok/s " \
+           "| × none | acceptance | tokens/pass | = none | specrun ÷ llama-server |" in md
+    assert "median of 2 requests after one warm-up." in md and "min–max" not in md
+    assert "- `eagle3-free` (synthetic:eagle3-realistic, `free.txt`, 40 prompt tokens): free text" in md
+
+
+def test_spec_verdict_not_met():
+    data = spec_run()
+    for r in data["requests"]:
+        if r["workload"] == "eagle3-free" and r["setting"].startswith("draft-eagle3"):
+            r["gen_tps"] = {"specrun": 120, "llama-server": 130}[r["system"]]     # 2.0× and 0.92
+    assert "draft-eagle3 n-max 3, 2.00× its `none` (goal ≥ 2.5×: **not met**); specrun ÷ llama-server there: " \
+           "0.92 (goal ≥ 1.0: **not met**)." in peers.spec_markdown(data)
+
+
+def test_main_table_lists_failed_servers():
+    md = peers.markdown(spec_run())
+    assert "Failed (no numbers): gemma-3-270m / ngram-cache / llama-server: exited with 1 while starting: error: unknown value " \
+           "for --spec-type: ngram-cache." in md
+
+
+def test_each_table_replaces_only_its_own_block():
+    text = f"a\n{peers.BEGIN}\npeers rows\n{peers.END}\nb\n{peers.SPEC_BEGIN}\nold\n{peers.SPEC_END}\nc\n"
+    t = peers.TABLES["spec"]
+    new = peers.replace_block(text, "| spec |\n", t.begin, t.end)
+    assert new == f"a\n{peers.BEGIN}\npeers rows\n{peers.END}\nb\n{peers.SPEC_BEGIN}\n| spec |\n{peers.SPEC_END}\nc\n"
+    assert peers.TABLES["peers"].out != t.out
+
+
+def test_readme_has_the_spec_markers_once_after_the_peers_table():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert text.count(peers.SPEC_BEGIN) == 1 and text.count(peers.SPEC_END) == 1
+    assert text.index(peers.END) < text.index(peers.SPEC_BEGIN) < text.index(peers.SPEC_END)
+
+
+def test_table_defaults_name_known_workloads_and_settings():
+    names = {s.name for s in peers.SETTINGS}
+    for t in peers.TABLES.values():
+        assert set(t.settings) <= names and set(t.workloads) <= {w.name for w in peers.WORKLOADS}
+    spec = peers.TABLES["spec"]
+    assert set(peers.NGRAM_FAMILY) <= set(spec.settings) and {E3(k) for k in (3, 5, 7)} <= set(spec.settings)
+
+
+@pytest.mark.parametrize("name", peers.NGRAM_FAMILY)
+def test_ngram_family_uses_llama_cpp_defaults_on_registry_models_only(name):
+    s = next(s for s in peers.SETTINGS if s.name == name)
+    assert s.args == ("--spec-type", name) and s.systems == peers.SYSTEMS
+    assert s.applies("gemma-3-270m") and not s.applies(peers.EAGLE3_MODEL)
+
+
+@pytest.mark.parametrize("log, why", [
+    ("load\nerror: invalid argument: --spec-type\nusage: ...\n", "error: invalid argument: --spec-type"),
+    ("a\nb\n\n", "b"),
+    ("", "(empty log)"),
+])
+def test_last_error_line(tmp_path, log, why):
+    (tmp_path / "x.log").write_text(log)
+    assert peers.last_error(tmp_path / "x.log") == why
