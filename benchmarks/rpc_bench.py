@@ -4,7 +4,9 @@
 
 The model is the realistic MTP test model (`specrun make-test-model --shape realistic`: qwen35, 24
 trunk layers, n_embd 512, q8_0, exact head), written once under build/rpc-bench. Settings: none,
-ngram-simple (n3 m16, n-max 16) and draft-mtp n-max 3, greedy, on one prompt. Conditions: local
+ngram-simple (n3 m16, n-max 16), draft-mtp n-max 3 with the model's own heads (on the workers, with
+the layers) and with the same heads extracted (`specrun extract-mtp`) and given as -md (on this
+machine: a draft step costs no round trip), greedy, on one prompt. Conditions: local
 (this process's CPU), then two `specrun rpc-worker`s on 127.0.0.1 holding half the layers each,
 reached directly (0 ms) and through a TCP relay that adds the given round-trip latency (half each
 way) to every message. Each condition runs in a child process of its own (llama.cpp registers an
@@ -32,6 +34,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,7 +47,9 @@ SETTINGS = {   # name: SpecParams keyword arguments
     "none": {},
     "ngram-simple n3 m16": {"types": ("ngram-simple",), "ngram_size_n": 3, "ngram_size_m": 16, "n_max": 16},
     "draft-mtp n-max 3": {"types": ("draft-mtp",), "n_max": 3},
+    "draft-mtp n-max 3, -md heads": {"types": ("draft-mtp",), "n_max": 3},   # extract-mtp's heads: local
 }
+LOCAL_HEADS = "draft-mtp n-max 3, -md heads"   # the heads on this machine, the trunk on the workers
 
 
 # ---- a latency relay -------------------------------------------------------------------------------
@@ -158,12 +163,14 @@ def child(args) -> None:
             else:
                 eps.append(rpc.parse_endpoint(w))
         placement = rpc.Placement(tuple(eps), (1.0,) * len(eps))
-    engine = Engine(args.model, EngineParams(n_ctx=2048, n_threads=args.threads, placement=placement,
-                                             spec=SpecParams(types=("draft-mtp",))))
-    prompt = engine.tokenize(PROMPT)
+    params = EngineParams(n_ctx=2048, n_threads=args.threads, placement=placement, spec=SpecParams(types=("draft-mtp",)))
+    main = Engine(args.model, params)
+    heads = Engine(args.model, replace(params, draft_model=args.heads))    # the target without its own heads
+    prompt = main.tokenize(PROMPT)
     out = {}
     for rep in range(args.reps + 1):           # rep 0: warm-up
         for name, kw in SETTINGS.items():
+            engine = heads if name == LOCAL_HEADS else main
             engine.reset()
             before = sum(r.replies for r in relays)
             gen = engine.generate(prompt, args.n_predict, SamplingParams(temp=0.0), spec=SpecParams(**kw))
@@ -177,20 +184,24 @@ def child(args) -> None:
             if relays:
                 # round trips of the whole request (prompt included) per generated token
                 o["round_trips"].append((sum(r.replies for r in relays) - before) / max(1, st.n_gen))
-    engine.close()
+    heads.close()
+    main.close()
     print(json.dumps(out))
 
 
 # ---- the parent -------------------------------------------------------------------------------------
 
 
-def model_path(specrun: str) -> Path:
-    p = OUT / "mtp-realistic-q8_0.gguf"
+def model_path(specrun: str) -> tuple[Path, Path]:
+    """The realistic MTP test model and its heads alone (`specrun extract-mtp`), written once."""
+    p, h = OUT / "mtp-realistic-q8_0.gguf", OUT / "mtp-realistic-q8_0-heads.gguf"
     if not p.exists():
         OUT.mkdir(parents=True, exist_ok=True)
         subprocess.run([specrun, "make-test-model", str(p), "--shape", "realistic", "--head", "exact",
                         "--quant", "q8_0"], check=True)
-    return p
+    if not h.exists():
+        subprocess.run([specrun, "extract-mtp", str(p), "-o", str(h)], check=True)
+    return p, h
 
 
 def start_workers(specrun: str, n: int, threads: int) -> tuple[list[subprocess.Popen], list[str]]:
@@ -247,15 +258,16 @@ def main() -> None:
     ap.add_argument("--readme", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--heads", help=argparse.SUPPRESS)
     ap.add_argument("--workers", default="", help=argparse.SUPPRESS)
     ap.add_argument("--latency-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
 
-    model = model_path(args.specrun)
+    model, heads = model_path(args.specrun)
     procs, eps = start_workers(args.specrun, 2, args.threads)
-    base = [sys.executable, __file__, "--child", "--model", str(model), "--reps", str(args.reps),
+    base = [sys.executable, __file__, "--child", "--model", str(model), "--heads", str(heads), "--reps", str(args.reps),
             "-n", str(args.n_predict), "--threads", str(args.threads)]
     conds = {"local": []} | {(f"RPC +{ms} ms" if float(ms) else "RPC direct"): ["--workers", ",".join(eps),
                                                                               "--latency-ms", ms]

@@ -224,7 +224,9 @@ def synthetic(tmp_path_factory) -> dict[str, tuple[Path, ...]]:
     mtp = d / "mtp.gguf"
     r = specrun("make-test-model", str(mtp), "--head", "noisy:0.1", "--quant", "q8_0")   # partial acceptance
     assert r.returncode == 0, r.stderr
-    return {"mtp": (mtp,), "eagle3": write_eagle3_pair(d / "e3-target.gguf", d / "e3-draft.gguf", EAGLE3_TINY, "q8_0")}
+    r = specrun("extract-mtp", str(mtp), "-o", str(d / "heads.gguf"))   # -md heads: drafting stays local
+    assert r.returncode == 0, r.stderr
+    return {"mtp": (mtp, d / "heads.gguf"), "eagle3": write_eagle3_pair(d / "e3-target.gguf", d / "e3-draft.gguf", EAGLE3_TINY, "q8_0")}
 
 
 CASES = [   # (name, model, extra flags); n-gram drafts need a prompt that repeats
@@ -234,6 +236,7 @@ CASES = [   # (name, model, extra flags); n-gram drafts need a prompt that repea
     ("ngram-mod", MODEL, ("--spec-type", "ngram-mod")),
     ("draft", MODEL, ("--spec-type", "draft", "-md", MODEL, "--spec-draft-n-max", "4")),
     ("draft-mtp", "mtp", ("--spec-type", "draft-mtp", "--spec-draft-n-max", "3")),
+    ("draft-mtp -md heads", "mtp", ("--spec-type", "draft-mtp", "-md", "{draft}", "--spec-draft-n-max", "3")),
     ("draft-eagle3", "eagle3", ("--spec-type", "draft-eagle3", "-md", "{draft}", "--spec-draft-n-max", "4")),
 ]
 

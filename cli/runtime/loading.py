@@ -118,6 +118,9 @@ def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
     params = replace(params, spec=replace(params.spec, types=draft_types(params, draft, name if draft else "")))
     if params.spec.types == AUTO:
         params = replace(params, spec=replace(params.spec, types=available_types(path, params.draft_model)))
+    if params.placement is not None and "draft-mtp" in params.spec.types and not params.draft_model:
+        note(f"--rpc: the MTP heads go to the workers with the layers, a round trip per draft token; "
+             f"`specrun extract-mtp {path.name} -o heads.gguf` and -md heads.gguf keep drafting here")
     return path, replace(params, exact_caveat=float_weight_caveat(spec) if params.exact else None)
 
 
