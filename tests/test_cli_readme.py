@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECRUN = str(Path(sys.executable).with_name("specrun"))
-SHORT = {"check-exact": ["--n-max", "3", "--context", "100"], "inspect": [], "serve": ["-n", "8"]}
+SHORT = {"check-exact": ["--n-max", "3", "--context", "100"], "inspect": [], "serve": ["-n", "8"], "export": []}
 
 
 def use_commands() -> list[str]:
