@@ -353,8 +353,7 @@ def meta(args, texts: dict) -> dict:
     if "llama-server" in args.systems:
         v = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=60)
         version = next((ln for ln in (v.stdout + v.stderr).splitlines() if ln.startswith("version")), "")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    cpu = cpu_model()
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
             "dirty": git("diff", "--name-only", "HEAD").split(), "cpu": cpu, "cores": os.cpu_count(),
             "llama_server_version": version, "max_busy": args.max_busy, "threads": args.threads, "ctx": args.ctx,
@@ -590,6 +589,15 @@ def eagle3_verdict(by: dict, workloads: list[str]) -> list[str]:
                     f"there: {_f(ratio, '.2f')} (goal ≥ 1.0: "
                     f"{'—' if ratio is None else 'met' if ratio >= 1.0 else '**not met**'})."]
     return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else platform.processor()."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
 
 
 def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import statistics
 import struct
@@ -37,6 +38,8 @@ from collections import deque
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
+
+from peers import cpu_model, replace_block  # benchmarks/peers.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "rpc-bench"
@@ -275,7 +278,7 @@ def main() -> None:
     res = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=ROOT).stdout.strip(),
-           "cpu": _cpu(), "n_predict": args.n_predict, "reps": args.reps, "conditions": {}}
+           "cpu": f"{cpu_model()}, {os.cpu_count()} cores", "n_predict": args.n_predict, "reps": args.reps, "conditions": {}}
     try:
         for cond, extra in conds.items():
             print(f"{cond} ...", file=sys.stderr, flush=True)
@@ -291,18 +294,7 @@ def main() -> None:
     print(md)
     if args.readme:
         readme = ROOT / "README.md"
-        text = readme.read_text()
-        a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
-        readme.write_text(text[:a] + "\n" + md + text[b:])
-
-
-def _cpu() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                import os
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    return "unknown CPU"
+        readme.write_text(replace_block(readme.read_text(encoding="utf-8"), md, BEGIN, END), encoding="utf-8")
 
 
 if __name__ == "__main__":
