@@ -69,6 +69,7 @@ class WorkerLost(SpecrunError):
 # ---- the native library ------------------------------------------------------------------------
 
 _lib: ctypes.CDLL | None = None
+_fns: dict = {}                 # name -> typed ggml function (_native)
 _lib_lock = threading.Lock()
 
 
@@ -96,22 +97,24 @@ def _native(path: Path | None = None) -> ctypes.CDLL:
         lib.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
                                                       ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
         lib.ggml_backend_rpc_start_server.restype = None
-        # libggml-rpc links libggml-base (ggml_set_abort_callback, device queries) and libggml (registry)
+        # libggml-rpc links libggml-base (ggml_set_abort_callback); libllama links libggml (the registry)
+        fns = {}
         for name, args, res in (("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p),
-                                ("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t),
                                 ("ggml_backend_dev_by_type", [ctypes.c_int], ctypes.c_void_p),
-                                ("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p),
                                 ("ggml_backend_register", [ctypes.c_void_p], None),
                                 ("ggml_set_abort_callback", [ctypes.c_void_p], ctypes.c_void_p)):
-            f = _symbol(name, lib)
+            f = _symbol(name, (lib, L.llama_cpp._lib, *_side_libs()))
             f.argtypes, f.restype = args, res
+            fns[name] = f
         if path is None:
             _lib = lib
+            _fns.update(fns)
         return lib
 
 
-def _symbol(name: str, lib: ctypes.CDLL):
-    for cand in (lib, L.llama_cpp._lib, *(_side_libs())):
+def _symbol(name: str, libs):
+    """The first of libs (CDLLs) that exports name."""
+    for cand in libs:
         try:
             return getattr(cand, name)
         except AttributeError:
@@ -134,7 +137,9 @@ def available() -> bool:
 
 
 def _fn(name: str):
-    return _symbol(name, _native())
+    """A ggml function typed by _native() (looked up there once)."""
+    _native()
+    return _fns[name]
 
 
 # ---- addresses and the hello probe -------------------------------------------------------------
