@@ -159,6 +159,14 @@ class Run:
         if not self.ended.done():
             self.ended.set_result(None)
 
+    def fail(self, err: Exception) -> None:
+        """End the run now with err (its slot thread is blocked for good: an RPC worker lost); the
+        slot is not given back."""
+        if not self.ended.done():
+            self.result = err
+            self._queue.put_nowait(err)
+            self.ended.set_result(None)
+
     def cancel(self, reason: str = "client") -> None:
         """Stop the run at the next prompt chunk or target pass; no-op once it has ended."""
         if self.ended.done():
@@ -217,10 +225,7 @@ class SlotPool:
 
     def _fail_all(self, err: Exception) -> None:
         for r in list(self._runs):
-            if not r.ended.done():
-                r.result = err
-                r._queue.put_nowait(err)
-                r.ended.set_result(None)
+            r.fail(err)
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
