@@ -143,7 +143,8 @@ class Engine:
                 n_threads=params.n_threads, n_rs_seq=self.n_max_cap, nextn="all" if self.mtp_enabled else None))
             self.n_ctx = self.ctx.n_ctx
             self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
-            # long prompts: all but their last < 64 tokens through the fast prompt context (F16 KV),
+            # long prompts: all but their last < 64 tokens through the fast prompt context (repacked
+            # weights, F16 KV),
             # handed over to the exact context; not for MTP (hidden rows) nor recurrent memory
             self.fast = (FastPrefill(self.model, self.n_ctx, params.n_threads, self.ctx.kv_rot)
                          if params.exact and params.fast_prefill and not self.mtp_enabled
@@ -495,5 +496,6 @@ class Engine:
             self.kv_tokens = head.tolist()
             return True
         self.kv_tokens, self._restored = head.tolist(), len(head)
-        st.n_prompt_fast, st.fast_kv_mib = self.fast.n_evaluated, self.fast.kv_mib
+        st.n_prompt_fast, st.fast_kv_mib, st.fast_weights_mib = (self.fast.n_evaluated, self.fast.kv_mib,
+                                                                  self.fast.weights_mib)
         return True

@@ -56,6 +56,8 @@ _kv_rot_said: dict[str, tuple[int, int]] = {}
 _ROT_LINE = re.compile(r"attn_rot_([kv]) = (\d+), n_embd_head_k_all = (-?\d+)")
 _kv_said: list[float] = []   # MiB of the KV buffers of the context being created (iSWA: two)
 _KV_LINE = re.compile(r"KV buffer size =\s*([\d.]+) MiB")
+_bufs_said: dict[str, float] = {}   # MiB of each weight buffer of the model being loaded: {"CPU_REPACK": 96.0, ...}
+_BUF_LINE = re.compile(r"(\S+) model buffer size =\s*([\d.]+) MiB")
 
 
 @L.llama_log_callback
@@ -70,6 +72,10 @@ def _log_callback(level, text, user_data):  # pragma: no cover - called from C
         m = _KV_LINE.search(text.decode("ascii", errors="replace"))
         if m:
             _kv_said.append(float(m.group(1)))
+    elif b"model buffer size =" in text:
+        m = _BUF_LINE.search(text.decode("ascii", errors="replace"))
+        if m:
+            _bufs_said[m.group(1)] = _bufs_said.get(m.group(1), 0.0) + float(m.group(2))
     if level == _GGML_LOG_ERROR or _llama_log.isEnabledFor(logging.INFO):
         msg = text.decode("utf-8", errors="replace").strip()
         if msg and level == _GGML_LOG_ERROR:
@@ -168,10 +174,16 @@ class Model:
         else:   # repacked weights: AMX's only where a child process has seen it work (cpu_probe)
             mp.use_extra_bufts = cpu_probe.extra_bufts_plan().extra_bufts
         _last_error.clear()
+        _bufs_said.clear()
+        self._twin: Model | None = None
+        self._twin_lock = threading.Lock()
         self._ptr = L.llama_model_load_from_file(self.path.encode(), mp)
         if not self._ptr:
             raise LlamaError(f"{self.path}: llama.cpp could not load this model{_reason()} "
                              f"(see `specrun inspect {self.path}`)")
+        # MiB of each weight buffer, as llama.cpp said: "CPU_Mapped" (the file's pages, shared by every
+        # load of the file), "CPU_REPACK" (weights copied into llama.cpp's repacked layouts), ...
+        self.buffers_mib = dict(_bufs_said)
         self.vocab = L.llama_model_get_vocab(self._ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_embd = int(L.llama_model_n_embd(self._ptr))
@@ -193,7 +205,32 @@ class Model:
             raise LlamaError(f"{self.path}: model already closed")
         return self._ptr
 
+    def repacked(self) -> Model:
+        """This file loaded again with llama.cpp's extra buffer types (repacked weights: its fast
+        batch kernels; AMX only where cpu_probe saw it work), at the first call; later calls, from
+        any thread, share it, and it closes with this model. A model loaded with them is its own.
+        Its memory beyond this model's: repacked_mib (its other tensors map the same file pages).
+        Raises LlamaError when the second load fails."""
+        if not self.exact or self.placement is not None:
+            return self
+        with self._twin_lock:
+            if self._twin is None:
+                self._twin = Model(self.path, exact=False, load_mtp=self.load_mtp)
+                log.info("%s: loaded again with repacked weights for fast prompts (%.0f MiB repacked)",
+                         self.path, self._twin.repacked_mib)
+            return self._twin
+
+    @property
+    def repacked_mib(self) -> float:
+        """MiB of weights this load holds outside the file's mapped pages: the repacked layouts
+        (CPU_REPACK, AMX); 0 in exact mode or when nothing in the file has a repacked kernel here."""
+        return sum(v for k, v in self.buffers_mib.items() if k != "CPU_Mapped")
+
     def close(self) -> None:
+        twin = self.__dict__.get("_twin")
+        if twin is not None:
+            twin.close()
+            self._twin = None
         if getattr(self, "_ptr", None):
             L.llama_model_free(self._ptr)
         self._ptr = None
@@ -279,8 +316,8 @@ class ContextParams:
     n_rs_seq: int = 0           # recurrent-state snapshots per sequence (hybrid models' rollback)
     mtp: bool = False           # an MTP draft context (ctx_type = LLAMA_CONTEXT_TYPE_MTP)
     nextn: str | None = None    # export hidden rows for MTP: "all" (every row) or "outputs"
-    kv_f16: bool = False        # exact-mode model, F16 KV cache: the fast prompt context (kernels/prefill.py);
-                                # its rows are not batch-invariant, so it never decodes or verifies
+    kv_f16: bool = False        # flash attention over an F16 KV cache, for any model: the fast prompt context
+                                # (kernels/prefill.py); its rows are not batch-invariant, so it never verifies
 
 
 def _k_rot_block(n_embd_head_k: int) -> int:
@@ -312,7 +349,7 @@ class Context:
         cp.n_threads_batch = params.n_threads_batch or n_threads
         cp.n_rs_seq = params.n_rs_seq
         cp.no_perf = False
-        if model.exact:
+        if model.exact or params.kv_f16:
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
             kv = L.GGML_TYPE_F16 if params.kv_f16 else L.GGML_TYPE_Q8_0
             cp.type_k = kv

@@ -1,41 +1,48 @@
 """The fast prompt context: long prompts evaluated with llama.cpp's fast batch kernels, then handed
 to the exact decode context.
 
-Exact mode's decode context keeps a Q8_0 KV cache, so that a one-token decode and a verify row
-take the same flash-attention kernel (README, "Why the output is exactly the model's"). For a
-prompt that cache is the slow part: flash attention over an F16 cache runs its tiled kernel on
-many-row batches, about twice as fast over 1,500 tokens on this CPU. So a second context over the
-same weights (no second copy: the memory cost is its KV cache and compute buffer) evaluates all
-of a long prompt but its last < 64 tokens with an F16 cache, and its sequence state is re-encoded
-to Q8_0 (kernels/kvstate.py) and loaded into the exact context, which evaluates the rest of the
-prompt and everything after it.
+Exact mode's decode context keeps a Q8_0 KV cache over weights that are not repacked, so that a
+one-token decode and a verify row take the same kernels (README, "Why the output is exactly the
+model's"). For a prompt both are the slow part: flash attention over an F16 cache runs its tiled
+kernel on many-row batches (about twice as fast over 1,500 tokens on this CPU), and repacked
+weights run llama.cpp's gemm kernels (Q4_0, Q4_K, IQ4_NL on x86). So a second context, over the
+same file loaded again with repacked weights (Model.repacked(): shared by every engine over that
+model, its memory is the repacked copy, repacked_mib; the rest maps the same file pages) and with
+an F16 cache, evaluates all of a long prompt but its last < 64 tokens; its sequence state is
+re-encoded to Q8_0 (kernels/kvstate.py) and loaded into the exact context, which evaluates the rest
+of the prompt and everything after it. A file with nothing to repack on this CPU, or a second load
+that fails (one warning), keeps the exact model's weights for it.
 
 Two rules keep every result a function of the tokens alone, never of what the caches held before
 (so that the answer to a prompt is the same fresh, after a chat turn, or on a server slot that
 served another request):
 - the fast context evaluates exactly positions [0, fast_len(n)) as the blocks fast_blocks(n):
-  256 tokens each, then at most one of 128 and one of 64, each aligned at a multiple of its size
+  512 tokens each, then at most one each of 256, 128 and 64, each aligned at a multiple of its size
   and evaluated by one llama_decode (a batch's rows are computed alike only in a batch of the
   same shape), never the prompt's last token;
 - it reuses only leading blocks it evaluated itself, with the same bounds, for the same tokens,
   and the exact context reuses its cache only when it was loaded from the same fast_len
   (Engine._prefill).
 Speculative and plain decoding share this path, so speculative output still equals plain output
-token for token; what the fast rows change is the prompt's KV (F16 attention, re-quantized),
-about as much as a different KV cache type does.
+token for token; what the fast rows change is the prompt's KV (repacked matmuls, F16 attention,
+re-quantized), about as much as a different KV cache type does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import logging
+
 import numpy as np
 
 from .kvstate import f16_to_q8_0
-from .llama import Context, ContextParams, Model
+from .llama import Context, ContextParams, LlamaError, Model
 from .types import common_prefix
 
-BLOCK = 256          # tokens per fast decode, aligned at absolute positions
+log = logging.getLogger(__name__)
+
+BLOCK = 512          # tokens per fast decode (llama-server's n_ubatch), aligned at absolute positions
 MIN_BLOCK = 64       # the smallest: flash attention's tiled kernel needs 64 rows (GGML_FA_TILE_Q)
 MIN_PROMPT = 513     # shorter prompts stay on the exact path (the hand-over's fixed costs)
 
@@ -50,7 +57,7 @@ def fast_len(n_prompt: int) -> int:
 def fast_blocks(end: int) -> list[tuple[int, int]]:
     """[(start, size)] of the decodes that evaluate positions [0, end) (end a multiple of
     MIN_BLOCK): blocks of BLOCK, then the largest halves that fit, each aligned at its size.
-    fast_blocks(704) == [(0, 256), (256, 256), (512, 128), (640, 64)]."""
+    fast_blocks(960) == [(0, 512), (512, 256), (768, 128), (896, 64)]."""
     assert end % MIN_BLOCK == 0, end
     out, s, size = [], 0, BLOCK
     while s < end:
@@ -62,9 +69,9 @@ def fast_blocks(end: int) -> list[tuple[int, int]]:
 
 
 class FastPrefill:
-    """A second context over an exact-mode Model with an F16 KV cache, created at first use and
-    sized to the longest head asked for so far (in steps of 2x, at most n_ctx_max), so that its
-    memory follows the prompts actually given: kv_mib.
+    """A second context, over the exact-mode Model's repacked twin with an F16 KV cache, created at
+    first use and sized to the longest head asked for so far (in steps of 2x, at most n_ctx_max), so
+    that its memory follows the prompts actually given: kv_mib, plus the twin's weights_mib.
 
     state(head) -> the exact context's state for the prompt head (len a multiple of MIN_BLOCK).
     """
@@ -72,6 +79,7 @@ class FastPrefill:
     def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int]) -> None:
         self.model, self.n_ctx_max, self.n_threads, self.rot = model, n_ctx_max, n_threads, rot
         self.ctx: Context | None = None
+        self.weights: Model | None = None    # the model its context runs: model.repacked(), or model
         self.tokens: list[int] = []          # the tokens whose blocks the fast context holds
         self.blocks: list[tuple[int, int]] = []   # their (start, size), as fast_blocks made them
         self.n_evaluated = 0                 # tokens the last state() call evaluated (not reused)
@@ -79,6 +87,20 @@ class FastPrefill:
     @property
     def kv_mib(self) -> float:
         return self.ctx.kv_mib if self.ctx is not None else 0.0
+
+    @property
+    def weights_mib(self) -> float:
+        """The repacked weights' memory (shared with the other engines over the same model)."""
+        return self.weights.repacked_mib if self.weights is not None and self.weights is not self.model else 0.0
+
+    def _weights(self) -> Model:
+        if self.weights is None:
+            try:
+                self.weights = self.model.repacked()
+            except LlamaError as e:
+                log.warning("the fast prompt context keeps the weights not repacked: %s", e)
+                self.weights = self.model
+        return self.weights
 
     def forget(self) -> None:
         """Drop the blocks held (the context stays allocated)."""
@@ -100,7 +122,7 @@ class FastPrefill:
         if self.ctx is None or self.ctx.n_ctx < len(head):
             n_ctx = min(max(len(head), 2 * self.ctx.n_ctx if self.ctx else 0), self.n_ctx_max)
             self.close()
-            self.ctx = Context(self.model, ContextParams(n_ctx=n_ctx, n_batch=BLOCK, n_ubatch=BLOCK,
+            self.ctx = Context(self._weights(), ContextParams(n_ctx=n_ctx, n_batch=BLOCK, n_ubatch=BLOCK,
                                                          n_threads=self.n_threads, kv_f16=True))
         blocks = fast_blocks(len(head))
         same = common_prefix(self.tokens, head)

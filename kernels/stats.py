@@ -50,6 +50,7 @@ class GenStats:
     n_prompt_total: int = 0      # prompt tokens, reused or not
     n_prompt_fast: int = 0       # of n_prompt, those the fast prompt context evaluated (kernels/prefill.py)
     fast_kv_mib: float = 0.0     # the fast prompt context's KV cache, when it was used
+    fast_weights_mib: float = 0.0  # ...and its repacked copy of the weights (0: it runs the exact ones)
     n_gen: int = 0               # tokens emitted
     n_target_passes: int = 0     # target decodes during generation (one per verify)
     t_prompt_s: float = 0.0
@@ -91,8 +92,10 @@ class GenStats:
         """The statistics in llama.cpp's own words."""
         out = [f"prompt eval: {self.n_prompt} tokens in {self.t_prompt_s * 1e3:.1f} ms "
                f"({self.prompt_tps:.2f} tokens/s)"
-               + (f", {self.n_prompt_fast} through the fast prompt context (F16 KV cache, "
-                  f"{self.fast_kv_mib:.0f} MiB; --no-fast-prefill saves it)" if self.n_prompt_fast else ""),
+               + (f", {self.n_prompt_fast} through the fast prompt context ("
+                  + (f"repacked weights {self.fast_weights_mib:.0f} MiB, " if self.fast_weights_mib else "")
+                  + f"F16 KV cache {self.fast_kv_mib:.0f} MiB; --no-fast-prefill saves "
+                  + ("them)" if self.fast_weights_mib else "it)") if self.n_prompt_fast else ""),
                f"generation: {self.n_gen} tokens in {self.t_gen_s * 1e3:.1f} ms "
                f"({self.gen_tps:.2f} tokens/s), {self.n_target_passes} target passes "
                f"({self.tokens_per_pass:.2f} tokens/pass)"]

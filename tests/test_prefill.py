@@ -3,12 +3,14 @@
 What must hold: a prompt's result (tokens and logits) is a function of its tokens alone, whatever
 the caches held before (fresh, after another prompt, after a chat turn); speculative output still
 equals plain decoding through the hand-over; a model whose state cannot be handed over falls back
-to the exact path with one warning; --no-fast-prefill is the exact path of before.
+to the exact path with one warning, and one whose repacked twin does not load keeps its exact
+weights for the fast context; --no-fast-prefill is the exact path of before.
 """
 
 from __future__ import annotations
 
 import logging
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from specrun.kernels import kvstate
 from specrun.kernels.drafters import DraftModel
 from specrun.kernels.engine import Engine
 from specrun.kernels.kvstate import KVStateError, f16_to_q8_0, hadamard, quantize_q8_0
+from specrun.kernels.llama import LlamaError, Model
 from specrun.kernels.params import EngineParams, SpecParams
 from specrun.kernels.prefill import BLOCK, MIN_BLOCK, fast_blocks, fast_len
 from specrun.kernels.types import SamplingParams
@@ -41,8 +44,9 @@ def test_fast_len_all_but_the_last_tokens(n, want):
     (0, []),
     (64, [(0, 64)]),
     (192, [(0, 128), (128, 64)]),
-    (704, [(0, 256), (256, 256), (512, 128), (640, 64)]),
-    (1088, [(0, 256), (256, 256), (512, 256), (768, 256), (1024, 64)]),
+    (704, [(0, 512), (512, 128), (640, 64)]),
+    (960, [(0, 512), (512, 256), (768, 128), (896, 64)]),
+    (1088, [(0, 512), (512, 512), (1024, 64)]),
 ])
 def test_fast_blocks_by_hand(end, want):
     assert fast_blocks(end) == want
@@ -54,7 +58,7 @@ def test_fast_blocks_cover_aligned_and_are_a_prefix_of_longer_ones(end):
     BLOCK of each size; every whole-BLOCK block of a shorter prompt is one of a longer one's."""
     b = fast_blocks(end)
     assert [s for s, _ in b] == [0, *(s + n for s, n in b[:-1])][:len(b)] and sum(n for _, n in b) == end
-    assert all(s % n == 0 and n in (BLOCK, BLOCK // 2, MIN_BLOCK) for s, n in b)
+    assert all(s % n == 0 and n >= MIN_BLOCK and BLOCK % n == 0 for s, n in b)
     small = [n for _, n in b if n < BLOCK]
     assert len(small) == len(set(small)) and small == sorted(small, reverse=True)
     whole = [x for x in b if x[1] == BLOCK]
@@ -154,6 +158,17 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     _, _, st = _run(fast, P["two_blocks"], 4)
     assert (st.n_prompt_fast, st.n_prompt) == (1088, 1100) and st.fast_kv_mib > 0
     assert "through the fast prompt context" in st.lines()[0]
+    # over the model's repacked twin, shared by every engine over that model (server slots)
+    assert fast.fast.weights is fast.model.repacked() is not fast.model
+    assert st.fast_weights_mib == fast.model.repacked().repacked_mib
+    if "gemma" in fast.model.path and platform.machine() in ("x86_64", "AMD64"):   # Q4_K: repacked on x86
+        assert st.fast_weights_mib > 0 and "repacked weights" in st.lines()[0]
+    other = Engine(fast.model.path, EngineParams(n_ctx=2048, n_threads=2), model=fast.model)
+    try:
+        _run(other, P["two_blocks"], 1)
+        assert other.fast.weights is fast.fast.weights
+    finally:
+        other.close()
     _, _, st = _run(slow, P["two_blocks"], 4)
     assert st.n_prompt_fast == 0 and slow.fast is None
     fast.reset()
@@ -170,7 +185,7 @@ def test_result_depends_on_the_tokens_only(engines):
     fast.reset()
     ref = _run(fast, prompt)[:2]
     assert _run(fast, prompt)[:2] == ref                           # the same prompt again: all reused
-    # after a shorter prompt (fast_len 640: a 128-token block where this one has 256) and a short one (none)
+    # after a shorter prompt (fast_len 640: a 128-token block where this one has 512) and a short one (none)
     for other in (P["one_block"], P["short"]):
         fast.reset()
         _run(fast, other, 8)
@@ -184,10 +199,10 @@ def test_result_depends_on_the_tokens_only(engines):
     fast.reset()
     fast.fast.close()                                               # nothing held anywhere
     assert _run(fast, follow)[:2] == incremental
-    # growing: 1030 -> 1619 tokens reuses the first 4 blocks of the fast context; 1100 -> 1619 too, and
-    # evaluates [1024, 1088) again as part of a 256-token block
+    # growing: 1030 -> 1619 tokens reuses the first 2 blocks of the fast context; 1100 -> 1619 too, and
+    # evaluates [1024, 1088) again as part of a 512-token block
     long = np.concatenate([prompt, prompt[1:520]])
-    assert fast_blocks(fast_len(len(long)))[4] == (1024, 256)
+    assert fast_blocks(fast_len(len(long)))[2] == (1024, 512)
     fast.reset()
     fast.fast.close()
     ref = _run(fast, long)[:2]
@@ -236,6 +251,28 @@ def test_a_state_that_cannot_be_handed_over_falls_back(engines, monkeypatch, cap
         assert got[:2] == want and got[2].n_prompt_fast == 0 and e.fast is None
         assert [r.message for r in caplog.records].count(
             "fast prompt evaluation is off for this model: KV cells with extensions (M-RoPE)") == 1
+    finally:
+        e.close()
+
+
+@pytest.mark.slow
+def test_a_twin_that_does_not_load_keeps_the_exact_weights(engines, monkeypatch, caplog):
+    """The repacked second load fails (memory): one warning, the fast context runs the exact
+    model's weights, and the same prompt again gives the same answer."""
+    fast, _, P = engines
+
+    def refuse(self):
+        raise LlamaError("could not load this model; llama.cpp says: failed to allocate CPU_REPACK buffer")
+    monkeypatch.setattr(Model, "repacked", refuse)
+    e = Engine(fast.model.path, EngineParams(n_ctx=2048, n_threads=2), model=fast.model)
+    try:
+        with caplog.at_level(logging.WARNING, logger="specrun.kernels.prefill"):
+            toks, _, st = _run(e, P["one_block"], 8)
+        assert e.fast.weights is fast.model and st.n_prompt_fast == 640 and st.fast_weights_mib == 0
+        assert "repacked weights" not in st.lines()[0]
+        assert sum("keeps the weights not repacked" in r.message for r in caplog.records) == 1
+        e.reset()
+        assert _run(e, P["one_block"], 8)[0] == toks
     finally:
         e.close()
 

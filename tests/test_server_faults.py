@@ -28,7 +28,7 @@ from test_server import MODEL, SPECRUN, ServerProcess, T, delta, wait_for
 
 pytestmark = pytest.mark.slow
 
-CHUNK = 256        # a long prompt's block (kernels/prefill.BLOCK); the exact path's 512-token chunks are multiples
+CHUNK = 512        # a long prompt's block (kernels/prefill.BLOCK), as the exact path's chunks
 LONG_IDS = [(i * 7919) % 40000 + 100 for i in range(1100)]     # a prompt of 1100 tokens: 3 chunks
 
 

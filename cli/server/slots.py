@@ -49,6 +49,8 @@ class Job:
     stop_tokens: frozenset[int] = frozenset()   # a chat template's turn stops (chat requests)
     logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
     cache_prompt: bool = True    # False: the slot forgets its cached prompt first (the whole prompt is evaluated)
+    stream: bool = True          # False: the text comes with the Outcome only, no event per piece (a
+                                 # wake-up of the event loop per target pass costs the decode threads CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +117,8 @@ class Drained:
 
 
 class Run:
-    """One job in flight on a slot. events() yields text pieces, then the Outcome (or raises the
-    engine's exception); cancel(reason) stops it between two chunks or passes. `ended` is done
+    """One job in flight on a slot. events() yields text pieces (a streamed job's), then the Outcome
+    (or raises the engine's exception); cancel(reason) stops it between two chunks or passes. `ended` is done
     once the slot is given back; `stopped_by` says who cancelled it ("client" | "shutdown")."""
 
     def __init__(self, pool: SlotPool, slot: Slot, job: Job) -> None:
@@ -140,8 +142,8 @@ class Run:
     def _work(self) -> None:
         result: Outcome | Exception
         try:
-            result = generate(self.slot.engine, self.job, lambda s: self._post(self._queue.put_nowait, s),
-                              self._cancel)
+            emit = (lambda s: self._post(self._queue.put_nowait, s)) if self.job.stream else (lambda s: None)
+            result = generate(self.slot.engine, self.job, emit, self._cancel)
             self._pool.on_outcome(self.job, result)
         except Exception as e:  # handed to the request's task, which answers with it
             log.exception("generation failed on slot %d", self.slot.id)

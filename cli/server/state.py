@@ -228,7 +228,7 @@ class ServerState:
         finally:
             self.metrics.preparing(-1)
         return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs,
-                   cache_prompt=getattr(req, "cache_prompt", True))
+                   cache_prompt=getattr(req, "cache_prompt", True), stream=bool(getattr(req, "stream", False)))
 
     # -- running -----------------------------------------------------------------------------
     async def start(self, job: Job, client: Client) -> Run:
