@@ -215,9 +215,14 @@ class Model:
             return self
         with self._twin_lock:
             if self._twin is None:
-                self._twin = Model(self.path, exact=False, load_mtp=self.load_mtp)
-                log.info("%s: loaded again with repacked weights for fast prompts (%.0f MiB repacked)",
-                         self.path, self._twin.repacked_mib)
+                twin = Model(self.path, exact=False, load_mtp=self.load_mtp)
+                if twin.repacked_mib > 0:
+                    log.info("%s: loaded again with repacked weights for fast prompts (%.0f MiB repacked)",
+                             self.path, twin.repacked_mib)
+                    self._twin = twin
+                else:            # nothing in the file has a repacked kernel on this CPU: the same kernels
+                    twin.close()
+                    self._twin = self
             return self._twin
 
     @property
@@ -228,9 +233,9 @@ class Model:
 
     def close(self) -> None:
         twin = self.__dict__.get("_twin")
-        if twin is not None:
+        if twin is not None and twin is not self:
             twin.close()
-            self._twin = None
+        self._twin = None
         if getattr(self, "_ptr", None):
             L.llama_model_free(self._ptr)
         self._ptr = None

@@ -159,10 +159,12 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     assert (st.n_prompt_fast, st.n_prompt) == (1088, 1100) and st.fast_kv_mib > 0
     assert "through the fast prompt context" in st.lines()[0]
     # over the model's repacked twin, shared by every engine over that model (server slots)
-    assert fast.fast.weights is fast.model.repacked() is not fast.model
-    assert st.fast_weights_mib == fast.model.repacked().repacked_mib
+    # (the model itself when nothing in the file is repacked on this CPU: SmolLM2's Q4_1 on x86)
+    twin = fast.model.repacked()
+    assert fast.fast.weights is twin and twin.repacked_mib == st.fast_weights_mib
+    assert (twin is fast.model) == (st.fast_weights_mib == 0) == ("repacked weights" not in st.lines()[0])
     if "gemma" in fast.model.path and platform.machine() in ("x86_64", "AMD64"):   # Q4_K: repacked on x86
-        assert st.fast_weights_mib > 0 and "repacked weights" in st.lines()[0]
+        assert st.fast_weights_mib > 0
     other = Engine(fast.model.path, EngineParams(n_ctx=2048, n_threads=2), model=fast.model)
     try:
         _run(other, P["two_blocks"], 1)
