@@ -8,9 +8,12 @@
 `make bench-peers` builds llama-server once (build/peers/) from the llama-cpp-python sdist the
 project pins, so both servers run the same llama.cpp, and runs this with --readme.
 
-Each server runs alone on 127.0.0.1 (one at a time: a 2-core machine), 2 threads, a 4096-token
-context, one slot. Per model, setting and system: start the server, wait for /health, send every
-workload once (warm-up), then --reps rounds over the workloads, stop the server. Before each request
+Both servers run on 127.0.0.1, 2 threads, a 4096-token context, one slot. Per model and setting:
+start both, wait for /health, send every workload once to each (warm-up), then --reps rounds; in a
+round each workload goes to one server, then the other, and who goes first alternates round by
+round, so the machine's drift in speed (on a shared VM host, tens of percent within minutes) meets
+both systems alike; a request runs while the other server idles. --one-at-a-time runs each server
+alone instead, one after the other. Before each request
 an unrelated 800-token prompt (1 token asked) leaves nothing of the last prompt to reuse, so both
 servers evaluate every prompt in full (llama-server also gets cache_prompt false); a request that
 reused some, or that ran while other work took more than --max-busy of the CPUs, is measured again. Requests are greedy (temperature 0),
@@ -36,6 +39,7 @@ recorded (its log's last error line) and shown in the table instead of its numbe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -317,32 +321,61 @@ def run(args) -> dict:
         path = model_path(args.specrun, model)
         mine = [w for w in workloads if w.model == model]
         for setting in (s for s in settings if s.applies(model)):
-            for system in (s for s in systems if s in setting.systems):
-                cmd = server_command(system, model, path, setting, free_port(), args)
-                log = LOGS / f"{system}-{model}-{setting.name.replace(' ', '_')}.log"
-                busy = wait_quiet(args.max_busy, args.wait_quiet)
-                load = os.getloadavg()[0]
-                print(f"[peers] {model} / {setting.name} / {system} (others busy {busy:.0%}, load {load:.2f})",
-                      file=sys.stderr, flush=True)
-                kept, error = [], None
-                try:
-                    with serving(cmd, log) as (url, pid):
-                        for rep in range(-1, args.reps):          # rep -1: the warm-up, not kept
-                            for w in mine:
-                                r = measure(url, pid, texts[w.name], w.name, rep, args)
-                                if rep >= 0:
-                                    kept.append({"model": model, "workload": w.name, "setting": setting.name,
-                                                 "system": system, "rep": rep, **r})
-                except (ServerFailed, OSError) as e:           # OSError: the connection died with the server
-                    error = f"{e}" if isinstance(e, ServerFailed) else f"{type(e).__name__}: {e}; {last_error(log)}"
-                    print(f"[peers]   failed: {error} (see {log})", file=sys.stderr, flush=True)
-                    kept = []                                   # a server that failed keeps no numbers
+            here = [s for s in systems if s in setting.systems]
+            for group in ([[s] for s in here] if args.one_at_a_time else [here]):
+                kept, done = measure_group(model, path, setting, group, mine, texts, args)
                 requests += kept
-                auto = re.findall(r"spec auto: .*", log.read_text(errors="replace")) if log.is_file() else []
-                servers.append({"model": model, "setting": setting.name, "system": system, "command": cmd,
-                                "load_avg_1m": load, "busy_before": busy, "auto": auto[-1] if auto else None,
-                                "error": error})
+                servers += done
     return {"meta": info, "servers": servers, "requests": requests}
+
+
+def measure_group(model: str, path: str, setting: Setting, group: list[str], mine: list[Workload],
+                  texts: dict, args) -> tuple[list[dict], list[dict]]:
+    """The servers of `group` up at once (idle but for the request measured), then the warm-up and
+    --reps rounds; in each round every workload goes to each server in turn, and who goes first
+    alternates round by round, so a drift in the machine's speed meets both systems alike. A server
+    that fails keeps no numbers; the others go on. Returns (kept requests, one record per server)."""
+    cmds = {s: server_command(s, model, path, setting, free_port(), args) for s in group}
+    logs = {s: LOGS / f"{s}-{model}-{setting.name.replace(' ', '_')}.log" for s in group}
+    busy = wait_quiet(args.max_busy, args.wait_quiet)
+    load = os.getloadavg()[0]
+    print(f"[peers] {model} / {setting.name} / {' + '.join(group)} (others busy {busy:.0%}, load {load:.2f})",
+          file=sys.stderr, flush=True)
+    kept: dict[str, list[dict]] = {s: [] for s in group}
+    errors: dict[str, str | None] = {s: None for s in group}
+
+    def failed(s: str, e: Exception) -> None:   # OSError: the connection died with the server
+        errors[s] = f"{e}" if isinstance(e, ServerFailed) else f"{type(e).__name__}: {e}; {last_error(logs[s])}"
+        print(f"[peers]   {s} failed: {errors[s]} (see {logs[s]})", file=sys.stderr, flush=True)
+        kept[s] = []
+
+    with contextlib.ExitStack() as stack:
+        live = {}
+        for s in group:
+            try:
+                live[s] = stack.enter_context(serving(cmds[s], logs[s]))
+            except (ServerFailed, OSError) as e:
+                failed(s, e)
+        for rep in range(-1, args.reps):                        # rep -1: the warm-up, not kept
+            order = group if rep % 2 else group[::-1]
+            for w in mine:
+                for s in (s for s in order if s in live and errors[s] is None):
+                    url, pid = live[s]
+                    try:
+                        r = measure(url, pid, texts[w.name], f"{w.name} {s}", rep, args)
+                    except (ServerFailed, OSError) as e:
+                        failed(s, e)
+                        continue
+                    if rep >= 0:
+                        kept[s].append({"model": model, "workload": w.name, "setting": setting.name,
+                                        "system": s, "rep": rep, **r})
+    done = []
+    for s in group:
+        auto = re.findall(r"spec auto: .*", logs[s].read_text(errors="replace")) if logs[s].is_file() else []
+        done.append({"model": model, "setting": setting.name, "system": s, "command": cmds[s],
+                     "load_avg_1m": load, "busy_before": busy, "auto": auto[-1] if auto else None,
+                     "error": errors[s]})
+    return [r for s in group for r in kept[s]], done
 
 
 def meta(args, texts: dict) -> dict:
@@ -357,7 +390,7 @@ def meta(args, texts: dict) -> dict:
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
             "dirty": git("diff", "--name-only", "HEAD").split(), "cpu": cpu, "cores": os.cpu_count(),
             "llama_server_version": version, "max_busy": args.max_busy, "threads": args.threads, "ctx": args.ctx,
-            "n_predict": args.n_predict, "reps": args.reps, "workloads": {w.name: {"model": w.model, "file": f"benchmarks/prompts/{w.file}",
+            "n_predict": args.n_predict, "reps": args.reps, "together": not args.one_at_a_time, "workloads": {w.name: {"model": w.model, "file": f"benchmarks/prompts/{w.file}",
                                                       "what": w.what} for w in WORKLOADS if w.name in texts}}
 
 
@@ -425,7 +458,10 @@ def preamble(data: dict, ranges: bool = True) -> str:
     m = data["meta"]
     dirty = f", with uncommitted changes in {', '.join(m['dirty'])}" if m["dirty"] else ""
     text = (f"Measured {m['date']} at commit `{m['commit']}`{dirty}; {m['cpu']}, {m['cores']} cores; llama-server "
-            f"`{m['llama_server_version'] or '?'}`. Each server alone, {m['threads']} threads, context {m['ctx']}, "
+            f"`{m['llama_server_version'] or '?'}`. "
+            + ("Both servers up at once, each idle but for the request measured, requests alternating between "
+               "them (who goes first alternates each round); " if m.get("together") else "Each server alone, ")
+            + f"{m['threads']} threads, context {m['ctx']}, "
             f"greedy, n_predict {m['n_predict']}; tokens/s are each server's own `timings`, the median of "
             f"{m['reps']} requests after one warm-up{' (min–max in brackets)' if ranges else ''}. `× none` is "
             "against the same system's `none`; `= none` compares the text with that system's own `none` text.")
@@ -623,6 +659,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", help="comma-separated (default: the table's)")
     ap.add_argument("--settings", help="comma-separated (default: the table's)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="run each server alone, one after the other (default: both up at once, requests alternating)")
     ap.add_argument("--max-busy", type=float, default=0.25,
                     help="before each server, wait until other work uses at most this share of the CPUs")
     ap.add_argument("--wait-quiet", type=float, default=900, help="seconds to wait for that, at most (then run)")
