@@ -85,8 +85,8 @@ class EngineParams:
     n_batch: int = 2048
     n_threads: int = 0
     exact: bool = True
-    fast_prefill: bool = True          # exact mode: long prompts' whole 512-token blocks through an F16-KV
-                                       # context, handed over (kernels/prefill.py); False saves its KV memory
+    fast_prefill: bool = True          # exact mode: long prompts' aligned blocks through an F16-KV context over
+                                       # repacked weights, handed over (kernels/prefill.py); False saves both
     spec: SpecParams = field(default_factory=SpecParams)
     draft_model: str | None = None     # -md: a draft GGUF (draft-simple), EAGLE-3 (draft-eagle3) or MTP heads (draft-mtp)
     exact_caveat: str | None = None    # why exact mode may not be bit-exact for these weights (stats line)
