@@ -30,9 +30,8 @@ re-quantized), about as much as a different KV cache type does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
