@@ -14,6 +14,7 @@ import pytest
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.prefill import BLOCK
 from specrun.kernels.types import Draft, DraftOptions, SamplingParams, TargetPass
 
 pytestmark = pytest.mark.slow
@@ -119,7 +120,7 @@ def test_cancel_stops_a_long_prompt_between_chunks(engine):
     polls = []
     gen = engine.generate(prompt, 8, GREEDY, cancel=lambda: polls.append(len(engine.kv_tokens)) or True)
     assert list(gen) == [] and gen.stats.stop == "interrupted"
-    assert polls == [0] and engine.fast.tokens == prompt[:256].tolist()    # its first 256-token block
+    assert polls == [0] and engine.fast.tokens == prompt[:BLOCK].tolist()  # its first block
 
 
 def test_draft_length_above_the_cap_is_refused_with_the_cap(engine):
