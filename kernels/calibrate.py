@@ -46,7 +46,7 @@ import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
-from .drafters import draft_n_max
+from .drafters import draft_n_max, make_drafter
 from .llama import MAX_EXACT_BATCH
 from .params import NGRAM_TYPES, SpecParams
 from .types import SamplingParams
@@ -249,7 +249,7 @@ def choose(costs: Costs, candidates: Sequence[SpecParams], margin: float = MARGI
 def _why(p: Prediction, costs: Costs) -> str:
     dc = _drafter_cost(costs, p.spec)
     t1 = costs.t1_s
-    k = p.spec.n_max
+    k = draft_n_max(p.spec.types[0], p.spec)     # an n-gram's longest draft is its own (size-m...)
     parts = [f"acceptance {p.acceptance:.2f}, {p.tokens_per_pass:.2f} tokens/pass",
              f"a {k + 1}-row verify costs {(t1 + costs.verify.at(k + 1) - costs.verify.at(1)) / t1:.2f}× a plain step"]
     if p.spec.types[0] in PER_TOKEN_DRAFTERS:
@@ -312,11 +312,18 @@ def _probe_once(engine, prompt: np.ndarray, n_probe: int, spec: SpecParams) -> t
     acceptance of the last positions and the mean draft length)."""
     n = 0
     room = min(draft_n_max(spec.types[0], spec), engine.n_max_cap) + 1 if spec.types else 0
-    with engine.generate(prompt, n_probe + room, GREEDY, spec=spec) as gen:
-        for toks in gen:
-            n += len(toks)
-            if n >= n_probe:
-                break
+    # an n-gram drafter of its own for each probe: ngram-mod's pool and ngram-cache's tables carry
+    # over between generations, so a shared one would draft the repeated probe from its own last run
+    fresh = [make_drafter(spec.types[0], engine.target, spec)] if spec.types and spec.types[0] in NGRAM_TYPES else None
+    try:
+        with engine.generate(prompt, n_probe + room, GREEDY, spec=spec, drafters=fresh) as gen:
+            for toks in gen:
+                n += len(toks)
+                if n >= n_probe:
+                    break
+    finally:
+        for d in fresh or ():
+            d.close()
     st = gen.stats
     d = st.drafters[0] if st.drafters else None
     return st, d

@@ -28,8 +28,9 @@ from specrun.kernels.calibrate import (
     measure,
     predict,
 )
-from specrun.kernels.params import SpecParams
-from specrun.kernels.types import Draft
+from specrun.kernels.calibrate import _probe_once as probe_once
+from specrun.kernels.params import NgramModParams, SpecParams
+from specrun.kernels.types import Draft, SamplingParams
 
 MS = 1e-3
 
@@ -395,6 +396,45 @@ def test_auto_chooses_draft_mtp_when_it_is_clearly_faster(real_mtp, capsys):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.match(r"spec auto: draft-mtp n-max 8: predicted ×[4-9]\.\d\d over none \(acceptance 1\.00, "
                     r"9\.00 tokens/pass, ", line), line
+
+
+@pytest.mark.slow
+def test_ngram_probes_do_not_draft_from_their_own_last_probe(smollm_path):
+    """ngram-mod's pool outlives a generation (as llama.cpp's), so the engine's own drafter would
+    draft a repeated probe from the probe before it; each probe gets a fresh one instead."""
+    spec = SpecParams(types=("ngram-mod",), ngram_mod=NgramModParams(n_match=4, n_min=4, n_max=16))
+    with engine_for(smollm_path, ("ngram-mod",)) as engine:
+        prompt = engine.tokenize(FREE)
+        fresh = [probe_once(engine, prompt, 32, spec)[1] for _ in range(2)]
+        assert (fresh[0].n_gen_tokens, fresh[0].n_acc_tokens) == (fresh[1].n_gen_tokens, fresh[1].n_acc_tokens)
+        shared = []
+        for _ in range(2):                  # what the fresh drafters keep out of the calibration
+            with engine.generate(prompt, 40, SamplingParams(temp=0.0), spec=spec) as gen:
+                list(gen)
+            shared.append(gen.stats.drafters[0])
+        assert shared[1].n_acc_tokens > shared[0].n_acc_tokens == fresh[0].n_acc_tokens
+
+
+def test_auto_tries_ngram_mod_and_runs_it_as_calibrated(smollm_path, capsys):
+    """ngram-mod is a candidate; chosen, it keeps its own lengths (no adaptive cut)."""
+    from specrun.cli.runtime.auto import AUTO_NGRAM_TYPES, auto_candidates
+
+    with engine_for(smollm_path, ("ngram-simple", "ngram-mod")) as engine:
+        cands = auto_candidates(engine, SpecParams())
+        assert [c.types for c in cands if c.types[0] in AUTO_NGRAM_TYPES] == [("ngram-mod",)]
+
+        def mod_wins(engine, prompt, candidates, **_):   # ngram-mod accepted whole, ngram-simple silent
+            v = VerifyCost((1, 65), (0.01, 0.02), (0.01, 0.02), (0.01, 0.02))
+            out = []
+            for c in {replace(c, n_max=0): c for c in candidates}.values():
+                mod = c.types == ("ngram-mod",)
+                out.append(DrafterCost(c, (ProbeRun(c.n_max, 10, 200, 10, 600, 600, (1.0,) * 64, 0.02, 0.0) if mod
+                                           else ProbeRun(c.n_max, 32, 32, 0, 0, 0, (), 0.01, 0.0),), 0.0, 0.0))
+            return Costs(v, 0.01, tuple(out))
+
+        spec = resolve_auto(engine, SpecParams(), engine.tokenize(FREE), measure=mod_wins)
+    assert spec.types == ("ngram-mod",) and not spec.adaptive
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("spec auto: ngram-mod n-match 24 n-min 48")
 
 
 def test_available_types(tiny_mtp, smollm_path):

@@ -3,8 +3,8 @@
 The engine is opened with every spec type the files allow (loading.available_types), then
 resolve_auto() runs kernels.calibrate on it (a few seconds: the verify-cost curve and short greedy
 probes of the prompt) and returns the SpecParams to generate with; the reason goes to stderr as
-one line. A model drafter is chosen by its predicted speedup; otherwise n-gram drafts stay on
-with --spec-draft-adaptive, which holds them back (0 rows, the engine scores their shadow
+one line. A model drafter or ngram-mod is chosen by its predicted speedup; otherwise ngram-simple
+drafts stay on with --spec-draft-adaptive, which holds them back (0 rows, the engine scores their shadow
 drafts instead) on text they do not predict: the calibration prompt is never the request's.
 """
 
@@ -26,6 +26,11 @@ from .prompts import PROMPTS
 # own and llama-server's usual "n3 m16"
 AUTO_N_MAX = (1, 2, 3, 4, 6, 8)
 AUTO_NGRAM_SIZES = ((3, 16),)
+# llama.cpp's other n-gram drafters that auto also tries, with their own flags: ngram-mod (long copies:
+# 1.41-1.93x none on the code rewrite, verbatim and JSON rows of the spec-peers table, above
+# ngram-simple). ngram-map-k / -k4v / ngram-cache were never above ngram-simple there, so they are
+# not probed (each would add 3 probes to every calibration)
+AUTO_NGRAM_TYPES = ("ngram-mod",)
 
 
 def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
@@ -34,6 +39,7 @@ def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     sizes = dict.fromkeys([(base.ngram_size_n, base.ngram_size_m), *AUTO_NGRAM_SIZES])
     out = [replace(base, types=("ngram-simple",), ngram_size_n=n, ngram_size_m=m)
            for n, m in sizes if m <= engine.n_max_cap]
+    out += [replace(base, types=(t,)) for t in AUTO_NGRAM_TYPES]
     models = [t for t in ("draft-simple", "draft-eagle3", "draft-mtp")
               if (t != "draft-mtp" and t in engine.params.spec.types) or (t == "draft-mtp" and engine.mtp_enabled)]
     return out + [replace(base, types=(t,), n_max=k) for t in models for k in AUTO_N_MAX if k <= engine.n_max_cap]
@@ -55,12 +61,17 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
     base: the command's --spec-* options (ngram sizes, p-min, verify... are kept; --spec-draft-adaptive
     applies to the chosen setting, the calibration itself runs without it). measure: kernels.calibrate's,
     or a test's with injected timings."""
-    if prompt_tokens is None or len(prompt_tokens) == 0:
+    builtin = prompt_tokens is None or len(prompt_tokens) == 0
+    if builtin:
         prompt_tokens = engine.tokenize(PROMPTS["free"])
     cands = auto_candidates(engine, replace(base, adaptive=False))
     choice = calibrate_with_progress(engine, prompt_tokens, cands, measure=measure)
     spec, reason = choice.spec, choice.reason
-    if not spec.types or _ngram(spec):
+    # an n-gram setting chosen on the request's own prompt runs as it was calibrated (the probes saw
+    # this text pay); on the built-in prompt, ngram-simple goes adaptive. ngram-mod always runs as
+    # calibrated: its own n-min rule (a 48-token chain or nothing) keeps it silent on text it does
+    # not predict, and cut drafts would count as rejected in its low-acceptance reset
+    if not spec.types or (builtin and _ngram(spec) and spec.types != ("ngram-mod",)):
         # the calibration text is not the request's: n-grams stay on, adaptive, so that each text
         # decides (held back, at the cost of a lookup per token, while a plain step pays more)
         ngram = spec if spec.types else next(
