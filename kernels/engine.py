@@ -144,8 +144,8 @@ class Engine:
             self.n_ctx = self.ctx.n_ctx
             self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
             # long prompts: all but their last < 64 tokens through the fast prompt context (repacked
-            # weights, F16 KV),
-            # handed over to the exact context; not for MTP (hidden rows) nor recurrent memory
+            # weights, F16 KV), handed over to the exact context; not for MTP (hidden rows) nor
+            # recurrent memory
             self.fast = (FastPrefill(self.model, self.n_ctx, params.n_threads, self.ctx.kv_rot)
                          if params.exact and params.fast_prefill and not self.mtp_enabled
                          and params.placement is None   # over RPC the state copy would cross the network

@@ -229,7 +229,7 @@ class Model:
     def repacked_mib(self) -> float:
         """MiB of weights this load holds outside the file's mapped pages: the repacked layouts
         (CPU_REPACK, AMX); 0 in exact mode or when nothing in the file has a repacked kernel here."""
-        return sum(v for k, v in self.buffers_mib.items() if k != "CPU_Mapped")
+        return 0.0 if self.exact else sum(v for k, v in self.buffers_mib.items() if k != "CPU_Mapped")
 
     def close(self) -> None:
         twin = self.__dict__.get("_twin")

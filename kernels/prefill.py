@@ -90,7 +90,7 @@ class FastPrefill:
     @property
     def weights_mib(self) -> float:
         """The repacked weights' memory (shared with the other engines over the same model)."""
-        return self.weights.repacked_mib if self.weights is not None and self.weights is not self.model else 0.0
+        return self.weights.repacked_mib if self.weights is not None else 0.0
 
     def _weights(self) -> Model:
         if self.weights is None:

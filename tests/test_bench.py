@@ -416,7 +416,8 @@ def test_ngram_probes_do_not_draft_from_their_own_last_probe(smollm_path):
 
 
 def test_auto_tries_ngram_mod_and_runs_it_as_calibrated(smollm_path, capsys):
-    """ngram-mod is a candidate; chosen, it keeps its own lengths (no adaptive cut)."""
+    """ngram-mod is a candidate; chosen, even on the built-in prompt of chat and serve (where an
+    ngram-simple choice goes adaptive), it keeps its own lengths (no adaptive cut)."""
     from specrun.cli.runtime.auto import AUTO_NGRAM_TYPES, auto_candidates
 
     with engine_for(smollm_path, ("ngram-simple", "ngram-mod")) as engine:
@@ -432,7 +433,7 @@ def test_auto_tries_ngram_mod_and_runs_it_as_calibrated(smollm_path, capsys):
                                            else ProbeRun(c.n_max, 32, 32, 0, 0, 0, (), 0.01, 0.0),), 0.0, 0.0))
             return Costs(v, 0.01, tuple(out))
 
-        spec = resolve_auto(engine, SpecParams(), engine.tokenize(FREE), measure=mod_wins)
+        spec = resolve_auto(engine, SpecParams(), None, measure=mod_wins)
     assert spec.types == ("ngram-mod",) and not spec.adaptive
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("spec auto: ngram-mod n-match 24 n-min 48")
 

@@ -3,9 +3,10 @@
 The engine is opened with every spec type the files allow (loading.available_types), then
 resolve_auto() runs kernels.calibrate on it (a few seconds: the verify-cost curve and short greedy
 probes of the prompt) and returns the SpecParams to generate with; the reason goes to stderr as
-one line. A model drafter or ngram-mod is chosen by its predicted speedup; otherwise ngram-simple
-drafts stay on with --spec-draft-adaptive, which holds them back (0 rows, the engine scores their shadow
-drafts instead) on text they do not predict: the calibration prompt is never the request's.
+one line. The setting with the best predicted speedup runs as it was calibrated; when none is
+predicted faster, or an ngram-simple setting won on the built-in prompt of chat and serve (not the
+request's text), ngram-simple stays on with --spec-draft-adaptive, which holds it back (0 rows, the
+engine scores its shadow drafts instead) on text it does not predict.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
     # calibrated: its own n-min rule (a 48-token chain or nothing) keeps it silent on text it does
     # not predict, and cut drafts would count as rejected in its low-acceptance reset
     if not spec.types or (builtin and _ngram(spec) and spec.types != ("ngram-mod",)):
-        # the calibration text is not the request's: n-grams stay on, adaptive, so that each text
-        # decides (held back, at the cost of a lookup per token, while a plain step pays more)
+        # n-grams stay on, adaptive, so that each text decides (held back, at the cost of a lookup
+        # per token, while a plain step pays more)
         ngram = spec if spec.types else next(
             (c for c in cands if c.types == ("ngram-simple",) and (c.ngram_size_n, c.ngram_size_m) == AUTO_NGRAM_SIZES[0]),
             next((c for c in cands if _ngram(c)), None))
