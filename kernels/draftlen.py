@@ -5,11 +5,13 @@ A draft of k tokens whose i-th token is accepted with probability a_i (given the
 were) yields, with the target's own token, E(k) = 1 + a_1 + a_1 a_2 + ... tokens per pass; the pass
 costs t(k + 1), a target decode of k + 1 rows. The length that pays is the k in [0, cap] that
 maximizes E(k) / t(k + 1); at least 1 for a model drafter (so that the estimate keeps learning;
-one extra row costs little), and 0 allowed for an n-gram drafter, whose proposals are free: while
-it is held back, the engine still asks it for a draft and scores that shadow draft against the
-tokens the target then emits, so the estimate follows the text without any verify rows. On a
-verbatim copy a_i -> 1 and the longest draft pays; on a partial one the rows past the likely
-rejection are wasted and k drops; on text that n-grams do not predict the drafter is silent.
+one extra row costs little), and 0 allowed for an n-gram drafter, whose proposals are free: it is
+always asked for its longest draft, the length that pays is cut from it (0: held back, a plain
+step), and the whole proposal is scored against the tokens the target then emits, so the estimate
+follows the text, past the cut and without any verify rows while held back. A proposal that
+continues a copy seen right for j tokens is judged from position j on. On a verbatim copy
+a_i -> 1 and the longest draft pays; on a partial one the rows past the likely rejection are
+wasted and k drops; on text that n-grams do not predict the drafter is silent.
 
     PassCost   t(r): seconds of a target pass of r rows, learned from the engine's own passes
                (a running mean per r, linear between them; before any data the line 1 + r / 4).
@@ -17,7 +19,8 @@ rejection are wasted and k drops; on text that n-grams do not predict the drafte
                since passes of the lengths it is not choosing would never be seen otherwise
     Acceptance a_i: by draft position, P(token i accepted | tokens before it were), decayed by
                DECAY per draft so that it follows the text (a copy starts, a copy ends);
-               E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k
+               E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k. Prior: 0.5, and for n-gram drafters 0.9
+               past a copy's first token (a copy that starts right tends to stay right)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .types import common_prefix
 
 DECAY = 0.8          # weight of the past per draft in the acceptance estimate
 PRIOR = (1.0, 1.0)   # (accepted, rejected): a = 0.5 before the first draft
+PRIOR_COPY = (4.0, 0.0)   # free (n-gram) drafters, past a copy's first token: rate 0.9 with PRIOR's first
 
 
 @dataclass(slots=True)
@@ -112,6 +116,14 @@ class Acceptance:
             out.append(a / r if i == 0 else (a + out[-1]) / (r + 1.0))
         return out
 
+    @classmethod
+    def of_copies(cls) -> Acceptance:
+        """The prior of a drafter that copies earlier text: its first token right half the time,
+        and a copy that has been right so far right at its next token with 0.9 (PRIOR_COPY blended
+        with the first position's, as rates() does), so that a held-back copy seen right for a token
+        or two is drafted before any copy was scored."""
+        return cls([float(sum(PRIOR)), float(sum(PRIOR_COPY))], [float(PRIOR[0]), PRIOR_COPY[0]])
+
     @property
     def rate(self) -> float:
         """P(a draft's first token is accepted)."""
@@ -150,18 +162,31 @@ def best_length(a: float | Sequence[float], cost: PassCost, cap: int, k_min: int
 @dataclass(slots=True)
 class DraftLength:
     """One drafter's draft length through a generation: its cap, or (adaptive) the best_length at
-    its running acceptance, and the shadow draft it holds while held back (n == 0).
+    its running acceptance.
 
     start(cost) at the generation's start; record() after each verified draft of it; after each
-    target pass, score(ctx_tokens) decides its shadow draft, and resume(ctx_tokens) before the
-    next proposal drafts the rest of a held-back copy that has been right so far."""
+    target pass, score(ctx_tokens) decides its pending proposal. A drafter with free proposals
+    (k_min 0: n-grams) is always asked for its longest draft, and take(...) says how much of it
+    to verify (0: held back, a plain step); its acceptance is learned from whole proposals, each
+    scored against the text the target emits (one pending at a time), not from the cut that was
+    verified: a cut draft says nothing about the tokens past it, and counting the next draft of the
+    same copy from position 1 would teach that copies fail early, so the cut would shrink itself."""
 
     cap: int                   # its longest draft, within the engine's bounds
     adaptive: bool = False
     k_min: int = 1             # 0: it may be held back (its proposals are free: n-grams)
     acc: Acceptance = field(default_factory=Acceptance)
     n: int = 0                 # the length to ask for now
-    shadow: tuple[int, np.ndarray] | None = None   # (position of its first token, int32 [k])
+    shadow: tuple[int, np.ndarray] | None = None   # pending proposal: (position of its first token, int32 [k])
+
+    @property
+    def free(self) -> bool:
+        """Whether its proposals are scored whole against the emitted text (adaptive, free)."""
+        return self.adaptive and self.k_min == 0
+
+    def __post_init__(self) -> None:
+        if self.k_min == 0 and self.acc.reached == [float(sum(PRIOR))]:
+            self.acc = Acceptance.of_copies()
 
     def _best(self, cost: PassCost) -> int:
         return best_length(self.acc.rates(self.cap), cost, self.cap, self.k_min)
@@ -170,31 +195,37 @@ class DraftLength:
         self.n = self._best(cost) if self.adaptive else self.cap
 
     def record(self, n_drafted: int, n_accepted: int, cost: PassCost) -> None:
-        """One verified draft of n_drafted tokens, n_accepted of them accepted."""
-        if self.adaptive:
+        """One verified draft of n_drafted tokens, n_accepted of them accepted (a free drafter's
+        is scored through its pending proposal instead)."""
+        if self.adaptive and not self.free:
             self.acc.record(n_drafted, n_accepted)
             self.n = self._best(cost)
 
+    def take(self, proposal: np.ndarray, pos: int, cost: PassCost) -> int:
+        """How many tokens of a free drafter's proposal (int32 [k], for positions pos..) to verify.
+        It becomes the pending proposal if none is. A proposal that continues the pending one,
+        right so far for its first j tokens, is judged by the rates from position j on (a copy
+        that started right tends to stay right); any other by the rates from the start."""
+        if len(proposal) == 0:
+            return 0
+        if self.shadow is None:
+            self.shadow = (pos, proposal)
+        p0, pend = self.shadow
+        j = pos - p0
+        m = min(len(proposal), len(pend) - j)
+        if 0 < j and m > 0 and np.array_equal(proposal[:m], pend[j:j + m]):
+            return min(best_length(self.acc.rates(self.cap + j)[j:], cost, self.cap, 0), len(proposal))
+        return min(self.n, len(proposal))
+
     def score(self, ctx_tokens: list[int], cost: PassCost) -> None:
-        """Score the shadow draft once the emitted text ctx_tokens decides it (a mismatch, or all
-        of it matched), as a draft of its length."""
+        """Score the pending proposal once the emitted text ctx_tokens decides it (a mismatch, or
+        all of it matched), as a draft of its length."""
         if self.shadow is not None:
             n_ok, done = score_shadow(self.shadow, ctx_tokens)
             if done:
-                self.record(len(self.shadow[1]), n_ok, cost)
+                self.acc.record(len(self.shadow[1]), n_ok)
+                self.n = self._best(cost)
                 self.shadow = None
-
-    def resume(self, ctx_tokens: list[int], cost: PassCost) -> None:
-        """A held-back copy right for its first j tokens (it is still pending): the rest is judged
-        by the rates from position j on (a copy that starts right tends to stay right); when it
-        pays, those j count as a draft all accepted and the drafter drafts again."""
-        if self.shadow is None or len(ctx_tokens) <= self.shadow[0]:
-            return
-        j = len(ctx_tokens) - self.shadow[0]
-        rest = best_length(self.acc.rates(self.cap + j)[j:], cost, self.cap, 0)
-        if rest > 0:
-            self.acc.record(j, j)
-            self.shadow, self.n = None, rest
 
 
 def score_shadow(sh: tuple[int, np.ndarray], ctx_tokens: list[int]) -> tuple[int, bool]:

@@ -266,7 +266,7 @@ class Engine:
         # n-gram copy longer than the cap (exact mode: 62 tokens) is cut there
         n_lim = [min(draft_n_max(d.spec_type, spec), self.n_max_cap) for d in drafters]
         # each drafter's draft length: its limit, or (--spec-draft-adaptive) what pays at its running
-        # acceptance; adaptive n-gram drafters may be held back, their shadow drafts scored instead
+        # acceptance; adaptive n-gram drafters may be held back, their whole proposals scored instead
         lens = [DraftLength(n, spec.adaptive, 0 if spec.adaptive and _free_proposals(d) else 1)
                 for d, n in zip(drafters, n_lim, strict=True)]
         for dl in lens:
@@ -301,8 +301,6 @@ class Engine:
                         else "interrupted"
                     return
                 k_cap = min(limit - n_emitted - 1, self.n_ctx - n_past - 2)   # llama-server's n_draft_max
-                for dl in lens:
-                    dl.resume(ctx_tokens, self.pass_cost)
                 draft, which = self._propose(drafters, np.asarray(ctx_tokens, dtype=np.int32), k_cap, lens,
                                              spec.n_min, st)
                 vp = None
@@ -370,25 +368,25 @@ class Engine:
     def _propose(self, drafters: list[Drafter], ctx: np.ndarray, k_cap: int, lens: list[DraftLength], n_min: int,
                  st: GenStats) -> tuple[Draft, int]:
         """The first drafter's proposal of at least max(1, n_min) tokens, and its index (-1: none).
-        A drafter held back (length 0) is still asked, for its longest draft, when no shadow draft
-        of it is pending; that draft goes to its DraftLength.shadow instead of the target."""
+        An adaptive drafter with free proposals (n-grams) is asked for its longest draft and its
+        DraftLength takes the part worth verifying (0: held back); the whole proposal is scored
+        against the text the target then emits."""
         if k_cap <= 0:
             return Draft.empty(), -1
         for i, d in enumerate(drafters):
             t = time.perf_counter()
-            if lens[i].n == 0:
-                if lens[i].shadow is None:
-                    sh = d.propose(ctx, min(k_cap, lens[i].cap))
-                    if len(sh) > 0:
-                        lens[i].shadow = (len(ctx), sh.tokens)
-                st.drafters[i].t_draft_s += time.perf_counter() - t
+            dl = lens[i]
+            cap = min(k_cap, dl.cap if dl.free else dl.n)
+            if cap <= 0:
                 continue
-            cap = min(k_cap, lens[i].n)
             draft = d.propose(ctx, cap)
             st.drafters[i].n_call_draft += 1
             st.drafters[i].t_draft_s += time.perf_counter() - t
             if len(draft) > cap:
                 raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
+            if dl.free:
+                k = dl.take(draft.tokens, len(ctx), self.pass_cost)
+                draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
             if len(draft) > 0 and len(draft) >= n_min:
                 return draft, i
         return Draft.empty(), -1

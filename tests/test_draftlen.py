@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrun.kernels.draftlen import Acceptance, PassCost, best_length, expected_tokens, score_shadow
+from specrun.kernels.draftlen import (
+    Acceptance,
+    DraftLength,
+    PassCost,
+    best_length,
+    expected_tokens,
+    score_shadow,
+)
 
 
 def test_expected_tokens():
@@ -96,6 +103,75 @@ def test_acceptance_follows_the_text():
     for _ in range(5):
         acc.record(8, 0)                   # the copy ended
     assert acc.rate < 0.8 and best_length(acc.rate, PassCost(), 16) <= 4
+
+
+def test_prior_of_copies():
+    """A free drafter's prior: its first token right half the time, a copy right so far right at
+    its next token with 0.9; a model drafter's stays 0.5 everywhere."""
+    assert DraftLength(16, True, 0).acc.rates(3) == pytest.approx([0.5, 0.9, 0.9])
+    assert DraftLength(16, True, 1).acc.rates(3) == [0.5, 0.5, 0.5]
+
+
+def copy_run(period: int, n_tokens: int = 210, cap: int = 16) -> list[tuple[int, int]]:
+    """(drafted, accepted) of each verify pass of an adaptive free drafter over a text whose
+    earlier copy is right for period - 1 tokens and then wrong once, again and again: the text is
+    0, 1, 2, ...; the copy has -1 where i % period == period - 1. The target keeps the draft's
+    right prefix and adds its own token (the bonus or the recovered one), as the engine does."""
+    dl, c = DraftLength(cap, True, 0), PassCost()
+    for r in (1, 9):
+        c.record(r, 1 + r / 4)
+    dl.start(c)
+    ctx, passes = [0], []
+    while len(ctx) < n_tokens:
+        pos = len(ctx)
+        proposal = np.asarray([-1 if i % period == period - 1 else i for i in range(pos, pos + cap)], np.int32)
+        k = dl.take(proposal, pos, c)
+        n_acc = next((j for j in range(k) if proposal[j] != pos + j), k)
+        ctx += list(range(pos, pos + n_acc + 1))
+        if k:
+            passes.append((k, n_acc))
+            dl.record(k, n_acc, c)                           # as the engine does after a verify
+        dl.score(ctx, c)
+    return passes
+
+
+def test_free_drafter_learns_whole_copies_not_its_cut():
+    """A free drafter learns from its whole proposals, scored against the emitted text, not from
+    the cut that was verified (which says nothing past the cut: the next draft of the same copy
+    would start mid-copy and fail early, read as copies failing at their token 3)."""
+    c = PassCost()
+    dl = DraftLength(16, True, 0)
+    dl.start(c)                                              # the prior line 1 + r / 4: it drafts
+    before = (list(dl.acc.reached), list(dl.acc.accepted))
+    assert dl.take(np.arange(100, 116, dtype=np.int32), 4, c) == dl.n > 0
+    dl.record(dl.n, dl.n, c)                                 # the cut, all accepted: not learned from
+    assert (dl.acc.reached, dl.acc.accepted) == before
+    dl.score([0, 1, 2, 3, *range(100, 106), 7], c)           # the whole proposal: right for 6 of 16
+    assert dl.shadow is None and len(dl.acc.reached) == 16 and dl.acc.accepted[5] > dl.acc.accepted[6] == 0
+    # copies right for 6 tokens: the cut settles at 6 (7 tokens a pass at 2.75, against 4 at 1.75
+    # for 3) and stays there; right for longer than the cap: the whole cap
+    assert copy_run(7)[-10:] == [(6, 6)] * 10
+    assert copy_run(13)[-5:] == [(12, 12)] * 5
+    assert copy_run(10_000)[-5:] == [(16, 16)] * 5
+
+
+def test_a_held_back_copy_that_proves_right_is_drafted_from_where_it_is():
+    """Held back at 0 (a copy's first token was wrong three times), a pending copy right for its
+    first j tokens is judged from position j on: drafted, not left to run out in plain steps."""
+    dl, c = DraftLength(16, True, 0), PassCost()
+    for r in (1, 9):
+        c.record(r, 1 + r / 4)
+    for _ in range(3):
+        dl.acc.record(16, 0)
+    dl.start(c)
+    assert dl.n == 0
+    copy = np.arange(100, 116, dtype=np.int32)
+    assert dl.take(copy, 10, c) == 0                         # pending now, held back
+    ctx = list(range(10)) + [100, 101]                       # the target wrote its first two
+    dl.score(ctx, c)
+    assert dl.shadow is not None                             # still pending: right so far
+    assert dl.take(copy[2:], 12, c) >= 3                     # its continuation: drafted
+    assert dl.take(np.arange(7, 23, dtype=np.int32), 12, c) == 0   # another copy: held back
 
 
 # ---- in the engine ---------------------------------------------------------------------------
