@@ -201,21 +201,35 @@ class DraftLength:
             self.acc.record(n_drafted, n_accepted)
             self.n = self._best(cost)
 
-    def take(self, proposal: np.ndarray, pos: int, cost: PassCost) -> int:
-        """How many tokens of a free drafter's proposal (int32 [k], for positions pos..) to verify.
-        It becomes the pending proposal if none is. A proposal that continues the pending one,
-        right so far for its first j tokens, is judged by the rates from position j on (a copy
-        that started right tends to stay right); any other by the rates from the start."""
-        if len(proposal) == 0:
-            return 0
-        if self.shadow is None:
+    def take(self, proposal: np.ndarray, pos: int, limit: int, cost: PassCost) -> np.ndarray:
+        """The tokens to verify at positions pos.. (int32 [k], k <= limit; 0: held back), from a
+        free drafter's proposal (int32, may be empty), which becomes the pending proposal if none is.
+        The pending one, right so far for its first j tokens, offers the rest of its copy, judged by
+        the rates from position j on (a copy that started right tends to stay right); a proposal
+        that continues it is the same copy; one that does not is judged by the rates from the start.
+        The cut with the most expected tokens per second of them all is drafted."""
+        if self.shadow is None and len(proposal):
             self.shadow = (pos, proposal)
+        if self.shadow is None:
+            return proposal[:0]
         p0, pend = self.shadow
         j = pos - p0
-        m = min(len(proposal), len(pend) - j)
-        if 0 < j and m > 0 and np.array_equal(proposal[:m], pend[j:j + m]):
-            return min(best_length(self.acc.rates(self.cap + j)[j:], cost, self.cap, 0), len(proposal))
-        return min(self.n, len(proposal))
+        cands = [(0, proposal)]
+        if 0 < j < len(pend):
+            rest = pend[j:]
+            m = min(len(proposal), len(rest))
+            if m and np.array_equal(proposal[:m], rest[:m]):
+                cands = [(j, proposal if len(proposal) >= len(rest) else rest)]
+            else:
+                cands.append((j, rest))
+        best, out = -1.0, proposal[:0]
+        for at, toks in cands:
+            a = self.acc.rates(self.cap + at)[at:]
+            k = best_length(a, cost, min(len(toks), limit, self.cap), 0)
+            v = expected_tokens(a, k) / cost.at(k + 1)
+            if v > best:
+                best, out = v, toks[:k]
+        return out
 
     def score(self, ctx_tokens: list[int], cost: PassCost) -> None:
         """Score the pending proposal once the emitted text ctx_tokens decides it (a mismatch, or

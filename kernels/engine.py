@@ -385,8 +385,7 @@ class Engine:
             if len(draft) > cap:
                 raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
             if dl.free:
-                k = dl.take(draft.tokens, len(ctx), self.pass_cost)
-                draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+                draft = Draft(dl.take(draft.tokens, len(ctx), cap, self.pass_cost))   # n-grams: no probs
             if len(draft) > 0 and len(draft) >= n_min:
                 return draft, i
         return Draft.empty(), -1

@@ -125,7 +125,7 @@ def copy_run(period: int, n_tokens: int = 210, cap: int = 16) -> list[tuple[int,
     while len(ctx) < n_tokens:
         pos = len(ctx)
         proposal = np.asarray([-1 if i % period == period - 1 else i for i in range(pos, pos + cap)], np.int32)
-        k = dl.take(proposal, pos, c)
+        k = len(dl.take(proposal, pos, cap, c))
         n_acc = next((j for j in range(k) if proposal[j] != pos + j), k)
         ctx += list(range(pos, pos + n_acc + 1))
         if k:
@@ -143,7 +143,7 @@ def test_free_drafter_learns_whole_copies_not_its_cut():
     dl = DraftLength(16, True, 0)
     dl.start(c)                                              # the prior line 1 + r / 4: it drafts
     before = (list(dl.acc.reached), list(dl.acc.accepted))
-    assert dl.take(np.arange(100, 116, dtype=np.int32), 4, c) == dl.n > 0
+    assert len(dl.take(np.arange(100, 116, dtype=np.int32), 4, 16, c)) == dl.n > 0
     dl.record(dl.n, dl.n, c)                                 # the cut, all accepted: not learned from
     assert (dl.acc.reached, dl.acc.accepted) == before
     dl.score([0, 1, 2, 3, *range(100, 106), 7], c)           # the whole proposal: right for 6 of 16
@@ -166,12 +166,20 @@ def test_a_held_back_copy_that_proves_right_is_drafted_from_where_it_is():
     dl.start(c)
     assert dl.n == 0
     copy = np.arange(100, 116, dtype=np.int32)
-    assert dl.take(copy, 10, c) == 0                         # pending now, held back
+    assert len(dl.take(copy, 10, 16, c)) == 0                # pending now, held back
     ctx = list(range(10)) + [100, 101]                       # the target wrote its first two
     dl.score(ctx, c)
     assert dl.shadow is not None                             # still pending: right so far
-    assert dl.take(copy[2:], 12, c) >= 3                     # its continuation: drafted
-    assert dl.take(np.arange(7, 23, dtype=np.int32), 12, c) == 0   # another copy: held back
+    cont = dl.take(copy[2:], 12, 16, c)                      # its continuation: drafted
+    assert len(cont) >= 3 and list(cont) == list(copy[2:2 + len(cont)])
+    # a proposal from another copy: the pending one's rest is drafted (a held-back drafter's
+    # ngram lookup may find another match while the copy it proposed before goes on being right)
+    assert list(dl.take(np.arange(7, 23, dtype=np.int32), 12, 16, c)) == list(cont)
+    assert len(dl.take(copy[2:], 12, 2, c)) == 2             # within the engine's limit
+    dl.score([*ctx, 5], c)                                   # the copy ended
+    assert dl.shadow is None
+    new = dl.take(np.arange(7, 23, dtype=np.int32), 13, 16, c)   # a new copy: judged from its start
+    assert len(new) == dl.n and dl.shadow[0] == 13
 
 
 # ---- in the engine ---------------------------------------------------------------------------
