@@ -10,7 +10,7 @@ LLAMA_CPP_PY  := 0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_RPC=ON
 RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 -n 128 --temp 0 -f $(PROMPT_FILE)
 
-.PHONY: install run test test-fast bench bench-rpc bench-peers peers-server lint clean
+.PHONY: install run test test-fast bench bench-draft-length bench-rpc bench-peers peers-server lint clean
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ test-fast: lint
 
 bench: install
 	$(BIN)/python benchmarks/bench_spec.py
+
+# --spec-draft-adaptive against fixed n-gram drafts on the peers workloads, in one process (~4 min)
+bench-draft-length: install
+	$(BIN)/python benchmarks/draft_length.py
 
 # local against two loopback `specrun rpc-worker`s, with 0/1/5/20 ms of added round-trip latency
 bench-rpc: install

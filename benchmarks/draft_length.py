@@ -1,0 +1,129 @@
+"""--spec-draft-adaptive against fixed n-gram drafts, on the peers workloads, in one process.
+
+    python benchmarks/draft_length.py [--workloads free,code-rewrite,...] [-n 128] [--reps 3] [--out FILE.json]
+
+For each workload (benchmarks/prompts/, the peers benchmark's files and models): `none`, ngram-simple
+size-n 3 / size-m 16 with its fixed length (the cap), and the same with --spec-draft-adaptive; greedy,
+2 threads, exact mode. Two speeds per row, both against `none`:
+
+  * modeled: each pass's rows priced by one pass-cost curve t(r), measured once per model at the start
+    (median of 5 interleaved rounds of 1..33-row passes) and frozen, so that the draft lengths the policy picks
+    do not depend on this machine's drift while it runs: the same run gives the same passes, and
+    the ratio is the policy's own (what a change to kernels/draftlen.py is judged by);
+  * wall: generation tokens/s, the median of --reps runs, interleaved across the three settings.
+
+Every row's text is compared with `none`'s. Prints a markdown table; writes all numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from specrun.gguf_spec.registry import resolve_model
+from specrun.kernels.calibrate import measure_verify_cost
+from specrun.kernels.draftlen import PassCost
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.types import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "benchmarks" / "prompts"
+WORKLOADS = {   # name: (model, prompt file), as in benchmarks/peers.py
+    "free": ("gemma-3-270m", "free.txt"),
+    "code-rewrite": ("gemma-3-270m", "code_rewrite.txt"),
+    "verbatim": ("gemma-3-270m", "verbatim_source.txt"),
+    "json-table": ("gemma-3-270m", "json_table.txt"),
+    "summary": ("smollm2-135m-instruct", "summary_quotes.txt"),
+    "chat-reuse": ("smollm2-135m-instruct", "chat_reuse.txt"),
+    "code-rewrite-smollm2": ("smollm2-135m-instruct", "code_rewrite.txt"),
+}
+NGRAM = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16, verify="match")
+SETTINGS = {"none": SpecParams(verify="match"), "fixed n3 m16": NGRAM,
+            "adaptive n3 m16": SpecParams(**{**{k: getattr(NGRAM, k) for k in NGRAM.__slots__}, "adaptive": True})}
+GREEDY = SamplingParams(temp=0.0)
+
+
+class FrozenCost(PassCost):
+    """t(r) from a fixed table; record() only logs the pass's rows."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, sums: dict[int, list[float]]) -> None:
+        super().__init__({r: list(v) for r, v in sums.items()})
+        self.rows: list[int] = []
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.rows.append(rows)
+
+
+def measure_curve(e: Engine) -> dict[int, list[float]]:
+    """{rows: [n, median seconds]} of target passes of 1, 2, 4, ..., 33 rows at a 200-token depth
+    (kernels/calibrate's verify-cost rounds, interleaved, 5 reps)."""
+    vc = measure_verify_cost(e, e.tokenize("The quick brown fox jumps over the lazy dog. " * 20),
+                             rows=(1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33))
+    return {r: [32, t] for r, t in zip(vc.rows, vc.s, strict=True)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "draft_length.json"))
+    args = ap.parse_args()
+    names = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad:
+        sys.exit(f"unknown workload(s) {', '.join(bad)}; known: {', '.join(WORKLOADS)}")
+    rows, curves = [], {}
+    for model in dict.fromkeys(WORKLOADS[w][0] for w in names):
+        with Engine(str(resolve_model(model)), EngineParams(n_ctx=4096, n_threads=args.threads)) as e:
+            curves[model] = measure_curve(e)
+            print(f"[draft-length] {model} pass cost: " + ", ".join(
+                f"{r} rows {v[1] * 1e3:.1f} ms" for r, v in sorted(curves[model].items())), file=sys.stderr)
+            for w in (w for w in names if WORKLOADS[w][0] == model):
+                prompt = e.tokenize((PROMPTS / WORKLOADS[w][1]).read_text())
+                got: dict[str, dict] = {s: {"tps": []} for s in SETTINGS}
+                for _ in range(args.reps):
+                    for s, spec in SETTINGS.items():
+                        cost = FrozenCost(curves[model])
+                        e.pass_cost = cost
+                        gen = e.generate(prompt, args.n_predict, GREEDY, spec=spec)
+                        toks = [t for c in gen for t in c]
+                        st = gen.stats
+                        got[s].update(tokens=toks, passes=st.n_target_passes, drafted=st.n_drafted,
+                                      accepted=st.n_accepted, modeled_s=sum(cost.at(r) for r in cost.rows))
+                        got[s]["tps"].append(st.n_gen / st.t_gen_s)
+                base = got["none"]
+                for s, g in got.items():
+                    row = {"workload": w, "model": model, "setting": s, "passes": g["passes"],
+                           "drafted": g["drafted"], "accepted": g["accepted"],
+                           "modeled_x_none": base["modeled_s"] / g["modeled_s"] * len(g["tokens"]) / len(base["tokens"]),
+                           "wall_tps": statistics.median(g["tps"]),
+                           "wall_x_none": statistics.median(g["tps"]) / statistics.median(base["tps"]),
+                           "equal_none": g["tokens"] == base["tokens"]}
+                    rows.append(row)
+                    print(f"[draft-length] {w} {s}: modeled x{row['modeled_x_none']:.2f}, wall x{row['wall_x_none']:.2f}, "
+                          f"{row['passes']} passes, equal to none: {row['equal_none']}", file=sys.stderr)
+    lines = ["| workload | setting | passes | drafted | accepted | modeled × none | wall tok/s | wall × none | = none |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['setting']} | {r['passes']} | {r['drafted']} | {r['accepted']} | "
+              f"{r['modeled_x_none']:.2f} | {r['wall_tps']:.1f} | {r['wall_x_none']:.2f} | "
+              f"{'yes' if r['equal_none'] else '**no**'} |" for r in rows]
+    md = "\n".join(lines)
+    print(md)
+    out = Path(args.out)
+    out.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "n_predict": args.n_predict, "reps": args.reps,
+                               "curves_ms": {m: {r: v[1] * 1e3 for r, v in c.items()} for m, c in curves.items()},
+                               "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
