@@ -185,7 +185,7 @@ class DraftLength:
         return self.adaptive and self.k_min == 0
 
     def __post_init__(self) -> None:
-        if self.k_min == 0 and self.acc.reached == [float(sum(PRIOR))]:
+        if self.k_min == 0 and self.acc == Acceptance():   # a free drafter's default prior: copies'
             self.acc = Acceptance.of_copies()
 
     def _best(self, cost: PassCost) -> int:
