@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from specrun.gguf_spec.registry import resolve_model
@@ -43,8 +44,7 @@ WORKLOADS = {   # name: (model, prompt file), as in benchmarks/peers.py
     "code-rewrite-smollm2": ("smollm2-135m-instruct", "code_rewrite.txt"),
 }
 NGRAM = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16, verify="match")
-SETTINGS = {"none": SpecParams(verify="match"), "fixed n3 m16": NGRAM,
-            "adaptive n3 m16": SpecParams(**{**{k: getattr(NGRAM, k) for k in NGRAM.__slots__}, "adaptive": True})}
+SETTINGS = {"none": SpecParams(verify="match"), "fixed n3 m16": NGRAM, "adaptive n3 m16": replace(NGRAM, adaptive=True)}
 GREEDY = SamplingParams(temp=0.0)
 
 

@@ -147,7 +147,7 @@ def best_length(a: float | Sequence[float], cost: PassCost, cap: int, k_min: int
     shortest on ties); a: Acceptance.rates(cap), or one rate for every position.
     k_min 1 keeps a drafter's estimate learning from its own drafts; 0 (no draft: a plain step)
     is for drafters whose proposals cost nothing to make and can be scored without a verify pass
-    (the engine's shadow drafts)."""
+    (their whole proposals scored against the emitted text)."""
     rates = [float(a)] * cap if isinstance(a, (int, float)) else a
     best, best_k, e, p = 0.0, k_min, 1.0, 1.0
     for k in range(cap + 1):
@@ -243,7 +243,7 @@ class DraftLength:
 
 
 def score_shadow(sh: tuple[int, np.ndarray], ctx_tokens: list[int]) -> tuple[int, bool]:
-    """(tokens of the shadow draft (p0, tokens) that the emitted text ctx_tokens[p0:] matches,
+    """(tokens of the pending proposal (p0, tokens) that the emitted text ctx_tokens[p0:] matches,
     whether that is final: a mismatch, or the whole draft matched)."""
     p0, toks = sh
     got = ctx_tokens[p0:p0 + len(toks)]

@@ -106,7 +106,7 @@ class Generation:
 
 def _free_proposals(d: Drafter) -> bool:
     """Whether a drafter's proposal is only a lookup in the tokens (the n-gram drafters), so that a
-    draft may be made and scored without verifying it (adaptive length 0, shadow drafts)."""
+    draft may be made and scored without verifying it (adaptive length 0, its proposals scored whole)."""
     return d.spec_type.startswith("ngram")
 
 
@@ -330,7 +330,7 @@ class Engine:
                     rows = self.ctx.logits_rows()
                     lp.extend(token_logprob(rows[j], t, n_top) for j, t in enumerate(out))
                 ctx_tokens.extend(out)
-                for dl in lens:                  # the shadow drafts the new tokens decide
+                for dl in lens:                  # the pending proposals the new tokens decide
                     dl.score(ctx_tokens, self.pass_cost)
                 if cons is not None:
                     cons.accept(out)

@@ -6,7 +6,7 @@ probes of the prompt) and returns the SpecParams to generate with; the reason go
 one line. The setting with the best predicted speedup runs as it was calibrated; when none is
 predicted faster, or an ngram-simple setting won on the built-in prompt of chat and serve (not the
 request's text), ngram-simple stays on with --spec-draft-adaptive, which holds it back (0 rows, the
-engine scores its shadow drafts instead) on text it does not predict.
+engine scores its whole proposals instead) on text it does not predict.
 """
 
 from __future__ import annotations
