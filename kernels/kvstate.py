@@ -1,8 +1,8 @@
-"""A sequence's KV state as llama.cpp serializes it, re-encoded from F16 to Q8_0 rows.
+"""A sequence's KV state as llama.cpp serializes it, its K rows re-encoded from F16 to Q8_0.
 
-The fast prompt context (kernels/prefill.py) keeps an F16 KV cache and the exact decode context a
-Q8_0 one; ``llama_state_seq_set_data`` refuses a state of another cache type, so the hand-over
-re-encodes every K and V row. The layout read here is llama.cpp 0.3.36's
+The fast prompt context (kernels/prefill.py) keeps an F16 KV cache and the exact decode context
+Q8_0 K rows with F16 V rows (kernels/llama.py); ``llama_state_seq_set_data`` refuses a state of
+another cache type, so the hand-over re-encodes every K row and copies the V rows as they are. The layout read here is llama.cpp 0.3.36's
 (src/llama-kv-cache.cpp, ``state_write``; an iSWA model writes its full cache, then its window
 cache), for one sequence of a model without per-cell extensions (M-RoPE) and with V not
 transposed (flash attention on)::
@@ -72,16 +72,21 @@ def hadamard(n: int) -> np.ndarray:
     return (h / np.sqrt(n)).astype(np.float32)
 
 
-def _rows(r: _Reader, out: list[bytes], n_cells: int, n_layer: int, rot: int) -> None:
-    """Re-encode one cache's K (or V) section: n_layer x (type, row size, n_cells rows), each row
-    rotated in blocks of `rot` values first (0: not rotated)."""
+def _rows(r: _Reader, out: list[bytes], n_cells: int, n_layer: int, rot: int | None) -> None:
+    """One cache's K (or V) section: n_layer x (type, row size, n_cells rows) of F16 rows, copied
+    (rot None) or re-encoded to Q8_0, each row rotated in blocks of `rot` values first (0: not
+    rotated)."""
     h = hadamard(rot) if rot else None
     for _ in range(n_layer):
         t, row = r.i32(), r.u64()
         if t != GGML_F16 or row % (2 * QK8_0):
             raise KVStateError(f"KV rows of type {t} and {row} bytes; expected F16 rows of a multiple of "
                                f"{QK8_0} values")
-        x = np.frombuffer(r.take(n_cells * row), "<f2").reshape(n_cells, row // 2)
+        data = r.take(n_cells * row)
+        if rot is None:
+            out += [np.int32(t).tobytes(), np.uint64(row).tobytes(), bytes(data)]
+            continue
+        x = np.frombuffer(data, "<f2").reshape(n_cells, row // 2)
         if h is not None:
             if x.shape[1] % rot:
                 raise KVStateError(f"KV rows of {x.shape[1]} values do not split into rotation blocks of {rot}")
@@ -90,12 +95,15 @@ def _rows(r: _Reader, out: list[bytes], n_cells: int, n_layer: int, rot: int) ->
         out += [np.int32(GGML_Q8_0).tobytes(), np.uint64(q.shape[1]).tobytes(), q.tobytes()]
 
 
-def f16_to_q8_0(blob: bytes, rot: tuple[int, int] = (0, 0)) -> bytes:
+def quantize_k(blob: bytes, rot: tuple[int, int] = (0, 0)) -> bytes:
     """A one-sequence state with F16 K/V rows (llama_state_seq_get_data) -> the same state with
-    Q8_0 rows, ready for llama_state_seq_set_data on a Q8_0-cache context. rot: the (K, V)
-    Hadamard block sizes that context applies before it stores rows (Context.kv_rot; llama.cpp
-    rotates quantized caches, an F16 cache holds the rows unrotated). Raises KVStateError for any
-    layout but the one in the module docstring."""
+    Q8_0 K rows and the same F16 V rows, ready for llama_state_seq_set_data on an exact-mode
+    context. rot: the (K, V) Hadamard block sizes that context applies before it stores rows
+    (Context.kv_rot; llama.cpp rotates quantized rows, so V's must be 0). Raises KVStateError for
+    any layout but the one in the module docstring."""
+    if rot[1]:
+        raise KVStateError(f"the exact context rotates its V rows in blocks of {rot[1]} (a quantized V "
+                           "cache); only F16 V rows are handed over")
     r = _Reader(blob)
     if r.u32() != IO_MAGIC:
         raise KVStateError("not a llama.cpp sequence state (wrong magic)")
@@ -118,6 +126,6 @@ def f16_to_q8_0(blob: bytes, rot: tuple[int, int] = (0, 0)) -> bytes:
             if v_trans:
                 raise KVStateError("a transposed V cache (flash attention off) cannot be handed over")
             out.append(np.array([v_trans, n_layer], "<u4").tobytes())
-            _rows(r, out, n_cells, n_layer, rot[0])     # K
-            _rows(r, out, n_cells, n_layer, rot[1])     # V
+            _rows(r, out, n_cells, n_layer, rot[0])     # K: to Q8_0
+            _rows(r, out, n_cells, n_layer, None)       # V: F16 as it is
     return b"".join(out)

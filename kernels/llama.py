@@ -7,7 +7,10 @@ Exact mode (the default) configures llama.cpp so that a position's logits are bi
 whether it is decoded alone or inside a verify batch of up to 63 rows (README, "Why the output is
 exactly the model's"; `specrun check-exact` measures it): weights are not repacked (``use_extra_bufts=False``), the tiled K-quant matmul is off
 (``GGML_CPU_TILED_MM=0``, read once per process at the first matmul), flash attention is on
-and the KV cache is Q8_0 (so one-token decodes never take flash attention's split-KV path).
+and the KV cache keeps K in Q8_0 and V in F16: flash attention's split-KV path, which one-token
+decodes take past 256 tokens of context and which sums V in another order than a batch, needs K and
+V of one F16/F32 type (ggml-cpu/ops.cpp), so a mixed cache never takes it. V stays F16, llama.cpp's
+default, whose attention is cheaper than over Q8_0 V rows (no dequantization, no Hadamard rotation).
 """
 
 from __future__ import annotations
@@ -356,9 +359,8 @@ class Context:
         cp.no_perf = False
         if model.exact or params.kv_f16:
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            kv = L.GGML_TYPE_F16 if params.kv_f16 else L.GGML_TYPE_Q8_0
-            cp.type_k = kv
-            cp.type_v = kv
+            cp.type_k = L.GGML_TYPE_F16 if params.kv_f16 else L.GGML_TYPE_Q8_0
+            cp.type_v = L.GGML_TYPE_F16
         if params.mtp:
             if not model.load_mtp or model.n_layer_nextn <= 0:
                 # llama.cpp aborts the whole process in this case; refuse before calling it.

@@ -1,16 +1,16 @@
 """The fast prompt context: long prompts evaluated with llama.cpp's fast batch kernels, then handed
 to the exact decode context.
 
-Exact mode's decode context keeps a Q8_0 KV cache over weights that are not repacked, so that a
+Exact mode's decode context keeps Q8_0 K rows over weights that are not repacked, so that a
 one-token decode and a verify row take the same kernels (README, "Why the output is exactly the
-model's"). For a prompt both are the slow part: flash attention over an F16 cache runs its tiled
+model's"). For a prompt both are the slow part: flash attention over an all-F16 cache runs its tiled
 kernel on many-row batches (about twice as fast over 1,500 tokens on this CPU), and repacked
 weights run llama.cpp's gemm kernels (Q4_0, Q4_K, IQ4_NL on x86). So a second context, over the
 same file loaded again with repacked weights (Model.repacked(): shared by every engine over that
 model, its memory is the repacked copy, repacked_mib; the rest maps the same file pages) and with
-an F16 cache, evaluates all of a long prompt but its last < 64 tokens; its sequence state is
-re-encoded to Q8_0 (kernels/kvstate.py) and loaded into the exact context, which evaluates the rest
-of the prompt and everything after it. A file with nothing to repack on this CPU, or a second load
+an F16 cache, evaluates all of a long prompt but its last < 64 tokens; its sequence state's K rows
+are re-encoded to Q8_0 (kernels/kvstate.py) and it is loaded into the exact context, which
+evaluates the rest of the prompt and everything after it. A file with nothing to repack on this CPU, or a second load
 that fails (one warning), keeps the exact model's weights for it.
 
 Two rules keep every result a function of the tokens alone, never of what the caches held before
@@ -25,7 +25,7 @@ served another request):
   (Engine._prefill).
 Speculative and plain decoding share this path, so speculative output still equals plain output
 token for token; what the fast rows change is the prompt's KV (repacked matmuls, F16 attention,
-re-quantized), about as much as a different KV cache type does.
+K re-quantized), about as much as a different KV cache type does.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .kvstate import f16_to_q8_0
+from .kvstate import quantize_k
 from .llama import Context, ContextParams, LlamaError, Model
 from .types import common_prefix
 
@@ -115,7 +115,7 @@ class FastPrefill:
     def state(self, head: np.ndarray, cancel: Callable[[], bool]) -> bytes | None:
         """Evaluate head (int32 [fast_len]) as fast_blocks(len(head)), reusing the leading blocks
         already held with the same bounds and tokens, and return seq 0's state re-encoded for the
-        exact (Q8_0) context. None when cancel() returned True between two blocks (the blocks done
+        exact context (K rows in Q8_0). None when cancel() returned True between two blocks (the blocks done
         are kept). Raises KVStateError / LlamaError when the hand-over cannot work for this model."""
         assert len(head) % MIN_BLOCK == 0 and len(head) < self.n_ctx_max, len(head)
         if self.ctx is None or self.ctx.n_ctx < len(head):
@@ -143,4 +143,4 @@ class FastPrefill:
             self.blocks.append((s, size))
             if i + 1 < len(blocks) and cancel():
                 return None
-        return f16_to_q8_0(self.ctx.state_get(), self.rot)
+        return quantize_k(self.ctx.state_get(), self.rot)

@@ -19,7 +19,7 @@ import pytest
 from specrun.kernels import kvstate
 from specrun.kernels.drafters import DraftModel
 from specrun.kernels.engine import Engine
-from specrun.kernels.kvstate import KVStateError, f16_to_q8_0, hadamard, quantize_q8_0
+from specrun.kernels.kvstate import KVStateError, hadamard, quantize_k, quantize_q8_0
 from specrun.kernels.llama import LlamaError, Model
 from specrun.kernels.params import EngineParams, SpecParams
 from specrun.kernels.prefill import BLOCK, MIN_BLOCK, fast_blocks, fast_len
@@ -96,13 +96,13 @@ def _blob(n_cells: int, n_embd: int, n_layer: int = 1, *, magic=kvstate.IO_MAGIC
     return b"".join(out)
 
 
-def test_f16_to_q8_0_rows_rotated_and_requantized():
+def test_quantize_k_rotates_and_requantizes_k_rows_and_copies_v_rows():
     blob = _blob(3, 128, n_layer=2)
-    out = f16_to_q8_0(blob, (128, 64))
+    out = quantize_k(blob, (128, 0))
     hdr = 8 + 8 + 12 * 3 + 8
     assert out[:hdr] == blob[:hdr]                                  # header and cells unchanged
-    row_q = 128 // 32 * 34
-    assert len(out) == hdr + 4 * (12 + 3 * row_q)
+    row_q, row_f = 128 // 32 * 34, 128 * 2
+    assert len(out) == hdr + 2 * (12 + 3 * row_q) + 2 * (12 + 3 * row_f)
     # the first K row: dequantized, it is H128 times the F16 row
     assert np.frombuffer(out[hdr:hdr + 4], "<i4")[0] == kvstate.GGML_Q8_0
     assert np.frombuffer(out[hdr + 4:hdr + 12], "<u8")[0] == row_q
@@ -112,15 +112,24 @@ def test_f16_to_q8_0_rows_rotated_and_requantized():
     want = x @ hadamard(128)
     assert np.abs(deq - want).max() <= np.abs(want).max() / 127 + 1e-6
     assert not np.allclose(deq, x, atol=0.05)                       # the rotation was applied
+    # the V sections (after the 2 K layers): the same bytes, type and row size as given
+    v_in = hdr + 2 * (12 + 3 * row_f)
+    v_out = hdr + 2 * (12 + 3 * row_q)
+    assert out[v_out:] == blob[v_in:]
+
+
+def test_quantize_k_refuses_a_rotated_v_cache():
+    with pytest.raises(KVStateError, match="blocks of 64"):
+        quantize_k(_blob(2, 64), (64, 64))
 
 
 @pytest.mark.parametrize(("kw", "msg"), [({"magic": 1}, "magic"), ({"typ": 8}, "type 8"),
                                          ({"v_trans": 1}, "transposed"), ({"seq": 1}, "one plain sequence")])
-def test_f16_to_q8_0_refuses_other_layouts(kw, msg):
+def test_quantize_k_refuses_other_layouts(kw, msg):
     with pytest.raises(KVStateError, match=msg):
-        f16_to_q8_0(_blob(2, 64, **kw))
+        quantize_k(_blob(2, 64, **kw))
     with pytest.raises(KVStateError, match="ends at byte"):
-        f16_to_q8_0(_blob(2, 64)[:-5])
+        quantize_k(_blob(2, 64)[:-5])
 
 
 # ---- real models -----------------------------------------------------------------------------
@@ -247,7 +256,7 @@ def test_a_state_that_cannot_be_handed_over_falls_back(engines, monkeypatch, cap
     try:
         def refuse(blob, rot):
             raise KVStateError("KV cells with extensions (M-RoPE)")
-        monkeypatch.setattr("specrun.kernels.prefill.f16_to_q8_0", refuse)
+        monkeypatch.setattr("specrun.kernels.prefill.quantize_k", refuse)
         with caplog.at_level(logging.WARNING, logger="specrun.kernels.engine"):
             got = _run(e, prompt)
         assert got[:2] == want and got[2].n_prompt_fast == 0 and e.fast is None

@@ -109,7 +109,7 @@ def model_options(f):
     @click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_CACHE_TYPES), default=None,
                   help="KV cache type for K (exact mode keeps q8_0; --no-exact: f16)")
     @click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_CACHE_TYPES), default=None,
-                  help="KV cache type for V (exact mode keeps q8_0; --no-exact: f16)")
+                  help="KV cache type for V (f16; exact mode keeps it too)")
     @click.option("--mlock", "mlock", is_flag=True, help="accepted; the model is memory-mapped as by default")
     @click.option("--mmap/--no-mmap", "mmap", default=None, help="accepted; the model is memory-mapped")
     @click.option("-lm", "--load-mode", "load_mode", default=None,
@@ -330,11 +330,12 @@ def unapplied(kw: dict) -> list[str]:
     elif fa in ("on", "off") and not exact:
         out.append(f"-fa {fa}: not applied; with --no-exact llama.cpp chooses (auto): the kernels have no "
                    "switch for it yet")
-    for key, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv")):
+    for key, flag, kept in (("cache_type_k", "-ctk", "q8_0"), ("cache_type_v", "-ctv", "f16")):
         t = kw.get(key)
-        if t is not None and exact and t != "q8_0":
-            out.append(f"{flag} {t}: exact mode keeps a q8_0 KV cache, so that one-token decodes never take "
-                       "flash attention's split-KV path; with --no-exact it is llama.cpp's f16")
+        if t is not None and exact and t != kept:
+            out.append(f"{flag} {t}: exact mode keeps a q8_0 K cache and an f16 V cache, so that one-token "
+                       "decodes never take flash attention's split-KV path; with --no-exact both are "
+                       "llama.cpp's f16")
         elif t is not None and not exact and t != "f16":
             out.append(f"{flag} {t}: not applied; with --no-exact the KV cache is llama.cpp's f16: the kernels "
                        "have no switch for it yet")
