@@ -28,7 +28,7 @@ request) and peers.md (the table); --readme puts the table between README.md's p
 (benchmarks/results/spec_peers.json / .md) and README markers (spec-peers), so neither run can
 wipe the other's rows: llama.cpp's n-gram family (ngram-simple, ngram-map-k, ngram-map-k4v,
 ngram-mod, ngram-cache, each with llama.cpp's default flags, the same to both servers) on the
-input-grounded workloads, and draft-eagle3 at n-max 3, 5 and 7 on the synthetic pair. Besides
+input-grounded workloads, and draft-eagle3 at n-max 3, 5, 7, 11 and 15 on the synthetic pair. Besides
 tok/s, × none and = none it shows, for both systems, acceptance = Σ draft_n_accepted / Σ draft_n
 and tokens per target pass = Σ n_predicted / Σ (n_predicted − draft_n_accepted), summed over the
 kept reps, from each server's /completion `timings` (llama-server leaves draft_n out when it
@@ -114,7 +114,7 @@ NGRAM = ("--spec-type", "ngram-simple")
 # llama.cpp's other n-gram drafters, each with its defaults (common/common.h: map-k and map-k4v size-n 12,
 # size-m 48, min-hits 1; ngram-mod n-match 24, n-min 48, n-max 64; ngram-cache without lookup files)
 NGRAM_FAMILY = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
-EAGLE3_N_MAX = (3, 5, 7)
+EAGLE3_N_MAX = (3, 5, 7, 11, 15)
 SETTINGS = (
     Setting("none", ("--spec-type", "none")),
     Setting("ngram-simple", NGRAM),

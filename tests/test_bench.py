@@ -23,10 +23,12 @@ from specrun.kernels.calibrate import (
     DrafterCost,
     ProbeRun,
     VerifyCost,
+    calibrate,
     choose,
     fit_drafter,
     measure,
     predict,
+    setting_name,
 )
 from specrun.kernels.calibrate import _probe_once as probe_once
 from specrun.kernels.params import NgramModParams, SpecParams
@@ -415,27 +417,55 @@ def test_ngram_probes_do_not_draft_from_their_own_last_probe(smollm_path):
         assert shared[1].n_acc_tokens > shared[0].n_acc_tokens == fresh[0].n_acc_tokens
 
 
-def test_auto_tries_ngram_mod_and_runs_it_as_calibrated(smollm_path, capsys):
-    """ngram-mod is a candidate; chosen, even on the built-in prompt of chat and serve (where an
-    ngram-simple choice goes adaptive), it keeps its own lengths (no adaptive cut)."""
+@pytest.mark.parametrize("winner", ["ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"])
+@pytest.mark.parametrize("builtin", [True, False])
+def test_auto_tries_every_ngram_type_and_runs_the_winner(smollm_path, capsys, winner, builtin):
+    """Every n-gram type of llama.cpp is a candidate. The winner runs as it was calibrated on the
+    request's own prompt. On the built-in prompt of chat and serve, ngram-simple goes adaptive
+    instead (n3 m16), except ngram-mod, which keeps its own lengths (its n-min rule keeps it silent
+    on text it does not predict)."""
     from specrun.cli.runtime.auto import AUTO_NGRAM_TYPES, auto_candidates
 
-    with engine_for(smollm_path, ("ngram-simple", "ngram-mod")) as engine:
+    assert AUTO_NGRAM_TYPES == ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+    with engine_for(smollm_path, ("ngram-simple",)) as engine:
         cands = auto_candidates(engine, SpecParams())
-        assert [c.types for c in cands if c.types[0] in AUTO_NGRAM_TYPES] == [("ngram-mod",)]
+        assert [c.types[0] for c in cands if c.types[0].startswith("ngram")] == [
+            "ngram-simple", "ngram-simple", *AUTO_NGRAM_TYPES]
 
-        def mod_wins(engine, prompt, candidates, **_):   # ngram-mod accepted whole, ngram-simple silent
+        def wins(engine, prompt, candidates, **_):   # the winner accepted whole, the others silent
             v = VerifyCost((1, 65), (0.01, 0.02), (0.01, 0.02), (0.01, 0.02))
             out = []
             for c in {replace(c, n_max=0): c for c in candidates}.values():
-                mod = c.types == ("ngram-mod",)
-                out.append(DrafterCost(c, (ProbeRun(c.n_max, 10, 200, 10, 600, 600, (1.0,) * 64, 0.02, 0.0) if mod
-                                           else ProbeRun(c.n_max, 32, 32, 0, 0, 0, (), 0.01, 0.0),), 0.0, 0.0))
+                out.append(DrafterCost(c, (ProbeRun(c.n_max, 10, 200, 10, 600, 600, (1.0,) * 64, 0.02, 0.0)
+                                           if c.types == (winner,) else ProbeRun(c.n_max, 32, 32, 0, 0, 0, (), 0.01, 0.0),),
+                                       0.0, 0.0))
             return Costs(v, 0.01, tuple(out))
 
-        spec = resolve_auto(engine, SpecParams(), None, measure=mod_wins)
-    assert spec.types == ("ngram-mod",) and not spec.adaptive
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("spec auto: ngram-mod n-match 24 n-min 48")
+        prompt = None if builtin else engine.tokenize(FREE)
+        spec = resolve_auto(engine, SpecParams(), prompt, measure=wins)
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    if builtin and winner != "ngram-mod":
+        assert spec.types == ("ngram-simple",) and (spec.ngram_size_n, spec.ngram_size_m) == (3, 16)
+        assert spec.adaptive and said.startswith("spec auto: ngram-simple size-n 3 size-m 16, adaptive")
+    else:
+        assert spec.types == (winner,) and not spec.adaptive
+        assert said.startswith(f"spec auto: {winner}")
+
+
+@pytest.mark.slow
+def test_auto_calibration_probes_every_ngram_type(smollm_path):
+    """The live calibration probes each n-gram type on the prompt and predicts it from its own
+    probe: on a prompt that repeats itself, the short ngram-simple keys and ngram-cache draft."""
+    from specrun.cli.runtime.auto import auto_candidates
+
+    with engine_for(smollm_path, ("ngram-simple",)) as engine:
+        prompt = engine.tokenize(" ".join(f"item {i}: the ledger lists its stock and moves." for i in range(40)))
+        choice = calibrate(engine, prompt, auto_candidates(engine, SpecParams()), n_probe=24, reps=1, verify_reps=1)
+    got = {setting_name(p.spec): round(p.tokens_per_pass, 2) for p in choice.table}
+    assert sorted(got) == ["ngram-cache", "ngram-map-k size-n 12 size-m 48", "ngram-map-k4v size-n 12 size-m 48",
+                           "ngram-mod n-match 24 n-min 48 n-max 64", "ngram-simple size-n 12 size-m 48",
+                           "ngram-simple size-n 3 size-m 16"], got
+    assert got["ngram-cache"] > 1 and got["ngram-simple size-n 3 size-m 16"] > 1, got
 
 
 def test_available_types(tiny_mtp, smollm_path):

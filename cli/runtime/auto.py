@@ -6,7 +6,9 @@ probes of the prompt) and returns the SpecParams to generate with; the reason go
 one line. The setting with the best predicted speedup runs as it was calibrated; when none is
 predicted faster, or an ngram-simple setting won on the built-in prompt of chat and serve (not the
 request's text), ngram-simple stays on with --spec-draft-adaptive, which holds it back (0 rows, the
-engine scores its whole proposals instead) on text it does not predict.
+engine scores its whole proposals instead) on text it does not predict. Every n-gram type of
+llama.cpp is a candidate (ngram-simple at the command's sizes and at n3 m16, ngram-map-k, -map-k4v,
+ngram-mod, ngram-cache), probed on the same prompt.
 """
 
 from __future__ import annotations
@@ -27,11 +29,9 @@ from .prompts import PROMPTS
 # own and llama-server's usual "n3 m16"
 AUTO_N_MAX = (1, 2, 3, 4, 6, 8)
 AUTO_NGRAM_SIZES = ((3, 16),)
-# llama.cpp's other n-gram drafters that auto also tries, with their own flags: ngram-mod (long copies:
-# 1.41-1.93x none on the code rewrite, verbatim and JSON rows of the spec-peers table, above
-# ngram-simple). ngram-map-k / -k4v / ngram-cache were never above ngram-simple there, so they are
-# not probed (each would add 3 probes to every calibration)
-AUTO_NGRAM_TYPES = ("ngram-mod",)
+# llama.cpp's other n-gram drafters, which auto also probes, each with its own flags (the command's,
+# llama.cpp's defaults unless given): one probe per rep each, as an n-gram has no n-max to vary
+AUTO_NGRAM_TYPES = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
 
 def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
@@ -69,13 +69,15 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
     choice = calibrate_with_progress(engine, prompt_tokens, cands, measure=measure)
     spec, reason = choice.spec, choice.reason
     # an n-gram setting chosen on the request's own prompt runs as it was calibrated (the probes saw
-    # this text pay); on the built-in prompt, ngram-simple goes adaptive. ngram-mod always runs as
-    # calibrated: its own n-min rule (a 48-token chain or nothing) keeps it silent on text it does
-    # not predict, and cut drafts would count as rejected in its low-acceptance reset
+    # this text pay); on the built-in prompt, ngram-simple goes adaptive (the setting that won, or
+    # n3 m16 when another n-gram type won there: the built-in text says little of the requests').
+    # ngram-mod always runs as calibrated: its own n-min rule (a 48-token chain or nothing) keeps it
+    # silent on text it does not predict, and cut drafts would count as rejected in its
+    # low-acceptance reset
     if not spec.types or (builtin and _ngram(spec) and spec.types != ("ngram-mod",)):
         # n-grams stay on, adaptive, so that each text decides (held back, at the cost of a lookup
         # per token, while a plain step pays more)
-        ngram = spec if spec.types else next(
+        ngram = spec if spec.types == ("ngram-simple",) else next(
             (c for c in cands if c.types == ("ngram-simple",) and (c.ngram_size_n, c.ngram_size_m) == AUTO_NGRAM_SIZES[0]),
             next((c for c in cands if _ngram(c)), None))
         if ngram is not None:
