@@ -28,8 +28,9 @@ from specrun.kernels.types import SamplingParams
 
 GREEDY = SamplingParams(temp=0.0)
 N_PREDICT = 24
-# SmolLM2 answers the first greedily and ends its turn (<|im_end|>); the second runs into -n.
-TURNS = ("Hi", "Write a Python function that adds two numbers.")
+# SmolLM2 answers the first greedily and ends its turn (<|im_end|>); the second runs into -n, and
+# quotes the question's words, so an n-gram drafter gets drafts accepted and rejected there
+TURNS = ("Hi", "Fix the spelling in this sentence: I has writen a leter to my freind yesterday.")
 SPECRUN = str(Path(sys.executable).with_name("specrun"))
 
 

@@ -117,7 +117,7 @@ def test_openai_controls_keep_spec_equal_to_none(ngram_server):
         b = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, **extra,
                                  extra_body={"speculative": {"type": "none"}})
         assert a.choices[0].text == b.choices[0].text != free.choices[0].text
-    msgs = [{"role": "user", "content": "Name an animal, as JSON."}]
+    msgs = [{"role": "user", "content": 'Name an animal, as JSON: {"animal": ...}.'}]   # a short object: "stop"
     schema = {"type": "object", "properties": {"animal": {"type": "string", "maxLength": 10}}, "required": ["animal"]}
     for rf in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}):
         for temp in (0.0, 0.8):
