@@ -8,7 +8,7 @@ PROMPT_FILE ?= benchmarks/prompts/code_rewrite.txt
 # llama-cpp-python is built with ggml's RPC backend (`specrun rpc-worker`, `--rpc`).
 LLAMA_CPP_PY  := 0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_RPC=ON
-RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 -n 128 --temp 0 -f $(PROMPT_FILE)
+RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-adaptive -n 128 --temp 0 -f $(PROMPT_FILE)
 
 .PHONY: install run test test-fast bench bench-draft-length bench-rpc bench-peers peers-server lint clean
 
