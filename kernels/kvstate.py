@@ -2,9 +2,9 @@
 
 The fast prompt context (kernels/prefill.py) keeps an F16 KV cache and the exact decode context
 Q8_0 K rows with F16 V rows (kernels/llama.py); ``llama_state_seq_set_data`` refuses a state of
-another cache type, so the hand-over re-encodes every K row and copies the V rows as they are. The layout read here is llama.cpp 0.3.36's
-(src/llama-kv-cache.cpp, ``state_write``; an iSWA model writes its full cache, then its window
-cache), for one sequence of a model without per-cell extensions (M-RoPE) and with V not
+another cache type, so the hand-over re-encodes every K row and copies the V rows as they are.
+The layout read here is llama.cpp 0.3.36's (src/llama-kv-cache.cpp, ``state_write``; an iSWA
+model writes its full cache, then its window cache), for one sequence of a model without per-cell extensions (M-RoPE) and with V not
 transposed (flash attention on)::
 
     u32 magic 0xaf143cd8, i32 seq_id; then per cache:
@@ -72,7 +72,7 @@ def hadamard(n: int) -> np.ndarray:
     return (h / np.sqrt(n)).astype(np.float32)
 
 
-def _rows(r: _Reader, out: list[bytes], n_cells: int, n_layer: int, rot: int | None) -> None:
+def _rows(r: _Reader, out: list, n_cells: int, n_layer: int, rot: int | None) -> None:
     """One cache's K (or V) section: n_layer x (type, row size, n_cells rows) of F16 rows, copied
     (rot None) or re-encoded to Q8_0, each row rotated in blocks of `rot` values first (0: not
     rotated)."""
@@ -84,7 +84,7 @@ def _rows(r: _Reader, out: list[bytes], n_cells: int, n_layer: int, rot: int | N
                                f"{QK8_0} values")
         data = r.take(n_cells * row)
         if rot is None:
-            out += [np.int32(t).tobytes(), np.uint64(row).tobytes(), bytes(data)]
+            out += [np.int32(t).tobytes(), np.uint64(row).tobytes(), data]     # joined, not copied, here
             continue
         x = np.frombuffer(data, "<f2").reshape(n_cells, row // 2)
         if h is not None:
