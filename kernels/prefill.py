@@ -10,8 +10,8 @@ same file loaded again with repacked weights (Model.repacked(): shared by every 
 model, its memory is the repacked copy, repacked_mib; the rest maps the same file pages) and with
 an F16 cache, evaluates all of a long prompt but its last < 64 tokens; its sequence state's K rows
 are re-encoded to Q8_0 (kernels/kvstate.py) and it is loaded into the exact context, which
-evaluates the rest of the prompt and everything after it. A file with nothing to repack on this CPU, or a second load
-that fails (one warning), keeps the exact model's weights for it.
+evaluates the rest of the prompt and everything after it. A file with nothing to repack on this
+CPU, or a second load that fails (one warning), keeps the exact model's weights for it.
 
 Two rules keep every result a function of the tokens alone, never of what the caches held before
 (so that the answer to a prompt is the same fresh, after a chat turn, or on a server slot that
@@ -115,8 +115,8 @@ class FastPrefill:
     def state(self, head: np.ndarray, cancel: Callable[[], bool]) -> bytes | None:
         """Evaluate head (int32 [fast_len]) as fast_blocks(len(head)), reusing the leading blocks
         already held with the same bounds and tokens, and return seq 0's state re-encoded for the
-        exact context (K rows in Q8_0). None when cancel() returned True between two blocks (the blocks done
-        are kept). Raises KVStateError / LlamaError when the hand-over cannot work for this model."""
+        exact context (K rows in Q8_0). None when cancel() returned True between two blocks (the
+        blocks done are kept). Raises KVStateError / LlamaError when the hand-over cannot work for this model."""
         assert len(head) % MIN_BLOCK == 0 and len(head) < self.n_ctx_max, len(head)
         if self.ctx is None or self.ctx.n_ctx < len(head):
             n_ctx = min(max(len(head), 2 * self.ctx.n_ctx if self.ctx else 0), self.n_ctx_max)
