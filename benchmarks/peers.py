@@ -64,6 +64,7 @@ LOGS = ROOT / "build" / "peers" / "logs"
 MODELS = ROOT / "build" / "peers" / "models"
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 SPEC_BEGIN, SPEC_END = "<!-- spec-peers:begin -->", "<!-- spec-peers:end -->"
+MTP_BEGIN, MTP_END = "<!-- mtp-peers:begin -->", "<!-- mtp-peers:end -->"
 SYSTEMS = ("specrun", "llama-server")
 # Sent (1 token asked) before every measured request: specrun reuses the slot's KV prefix whatever
 # cache_prompt says, and its fast prompt context keeps whole 512-token blocks of earlier prompts; an
@@ -94,6 +95,8 @@ class Setting:
 
 SYNTHETIC = "synthetic:"
 EAGLE3_MODEL = SYNTHETIC + "eagle3-realistic"     # `specrun make-test-model T --eagle3 D --quant q8_0`
+# `specrun make-test-model OUT --head H` (qwen35, 24 trunk layers, n_embd 512, f16, one MTP block): issue 12's rows
+MTP_MODELS = {SYNTHETIC + "mtp-exact": "exact", SYNTHETIC + "mtp-noisy": "noisy:0.1"}
 
 
 WORKLOADS = (
@@ -108,6 +111,9 @@ WORKLOADS = (
     Workload("long-prompt-smollm2", "smollm2-135m-instruct", "long_prompt.txt", "the long log on SmolLM2"),
     Workload("eagle3-free", EAGLE3_MODEL, "free.txt", "free text on the synthetic 24-layer llama target with its "
              "exact EAGLE-3 draft"),
+    Workload("mtp-free", SYNTHETIC + "mtp-exact", "free.txt", "free text on the synthetic 24-layer qwen35 (f16) with "
+             "its exact MTP head"),
+    Workload("mtp-noisy-free", SYNTHETIC + "mtp-noisy", "free.txt", "the same with noise of sigma 0.1 on the MTP head"),
 )
 PEER_SETTINGS = ("none", "ngram-simple", "ngram-simple n3 m16")   # issue 12: auto >= llama-server's best of these
 NGRAM = ("--spec-type", "ngram-simple")
@@ -115,6 +121,7 @@ NGRAM = ("--spec-type", "ngram-simple")
 # size-m 48, min-hits 1; ngram-mod n-match 24, n-min 48, n-max 64; ngram-cache without lookup files)
 NGRAM_FAMILY = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 EAGLE3_N_MAX = (3, 5, 7, 11, 15)
+MTP_N_MAX = (1, 3, 5)
 SETTINGS = (
     Setting("none", ("--spec-type", "none")),
     Setting("ngram-simple", NGRAM),
@@ -124,6 +131,8 @@ SETTINGS = (
     *(Setting(t, ("--spec-type", t)) for t in NGRAM_FAMILY),
     *(Setting(f"draft-eagle3 n-max {k}", ("-md", "{eagle3}", "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k)),
               models=(EAGLE3_MODEL,)) for k in EAGLE3_N_MAX),
+    *(Setting(f"draft-mtp n-max {k}", ("--spec-type", "draft-mtp", "--spec-draft-n-max", str(k)),
+              models=tuple(MTP_MODELS)) for k in MTP_N_MAX),
 )
 
 
@@ -144,6 +153,9 @@ TABLES = {
     "spec": Table("spec", SPEC_BEGIN, SPEC_END, "spec_peers.json",
                   ("code-rewrite", "verbatim", "json-table", "summary", "chat-reuse", "eagle3-free"),
                   ("none", "ngram-simple", *NGRAM_FAMILY, *(f"draft-eagle3 n-max {k}" for k in EAGLE3_N_MAX))),
+    # issue 12, item 2: draft-mtp, the verify-heavy setting, on the synthetic qwen35 with an exact and a noisy head
+    "mtp": Table("mtp", MTP_BEGIN, MTP_END, "mtp_peers.json", ("mtp-free", "mtp-noisy-free"),
+                 ("none", *(f"draft-mtp n-max {k}" for k in MTP_N_MAX))),
 }
 
 
@@ -187,6 +199,16 @@ def synthetic_eagle3(specrun: str) -> tuple[Path, Path]:
         subprocess.run([specrun, "make-test-model", str(target), "--eagle3", str(draft), "--shape", "realistic",
                         "--head", "exact", "--quant", "q8_0"], check=True, timeout=600)
     return target, draft
+
+
+def synthetic_mtp(specrun: str, head: str) -> Path:
+    """The realistic synthetic qwen35 (f16) with an MTP head of that kind, written once (deterministic)."""
+    path = MODELS / f"mtp-{head.replace(':', '')}-f16.gguf"
+    if not path.is_file():
+        MODELS.mkdir(parents=True, exist_ok=True)
+        subprocess.run([specrun, "make-test-model", str(path), "--shape", "realistic", "--head", head, "--quant", "f16"],
+                       check=True, timeout=600)
+    return path
 
 
 @contextmanager
@@ -305,6 +327,8 @@ def measure(url: str, pid: int, prompt: str, name: str, rep: int, args) -> dict:
 def model_path(specrun: str, name: str) -> str:
     if name == EAGLE3_MODEL:
         return str(synthetic_eagle3(specrun)[0])
+    if name in MTP_MODELS:
+        return str(synthetic_mtp(specrun, MTP_MODELS[name]))
     r = subprocess.run([specrun, "inspect", name, "--json"], capture_output=True, text=True, check=True, timeout=300)
     return json.loads(r.stdout)["path"]
 
@@ -599,6 +623,7 @@ def spec_markdown(data: dict) -> str:
                 differs.append(f"{w} / {s}")
             out.append("| " + " | ".join(cells) + " |")
     out += eagle3_verdict(by, workloads)
+    out += mtp_verdict(by, workloads)
     if differs:
         out += ["", f"llama-server's output differs from its own `none` on: {', '.join(differs)}."]
     elif any(r["system"] == "llama-server" and r["setting"] != "none" for r in rows):
@@ -624,6 +649,22 @@ def eagle3_verdict(by: dict, workloads: list[str]) -> list[str]:
                     f"(goal ≥ 2.5×: {'met' if best['x_none'] >= 2.5 else '**not met**'}); specrun ÷ llama-server "
                     f"there: {_f(ratio, '.2f')} (goal ≥ 1.0: "
                     f"{'—' if ratio is None else 'met' if ratio >= 1.0 else '**not met**'})."]
+    return out
+
+
+def mtp_verdict(by: dict, workloads: list[str]) -> list[str]:
+    """Issue 12, item 2's goal for draft-mtp, per MTP workload: specrun ≥ 1.0× llama-server's tok/s at
+    each n-max (the issue names n-max 5), with both systems' × none."""
+    out = []
+    for w in workloads:
+        pairs = [(by[k], by.get((w, k[1], "llama-server"))) for k in by
+                 if k[0] == w and k[2] == "specrun" and k[1].startswith("draft-mtp")]
+        ratios = [(a, b, a["gen_tps"] / b["gen_tps"]) for a, b in pairs if b]
+        if ratios:
+            parts = [f"{a['setting'].removeprefix('draft-mtp ')} {q:.2f} ({_f(a['x_none'], '.2f')}× / "
+                     f"{_f(b['x_none'], '.2f')}× none)" for a, b, q in ratios]
+            out += ["", f"`{w}`: specrun ÷ llama-server for draft-mtp (issue 12's goal ≥ 1.0) at " + ", ".join(parts)
+                    + f": met at {sum(q >= 1.0 for *_, q in ratios)} of {len(ratios)}."]
     return out
 
 
@@ -655,7 +696,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--table", choices=sorted(TABLES), default="peers",
                     help="peers: speed against llama-server (README's peers markers, results/peers.json); spec: "
                          "n-gram family and draft-eagle3 with acceptance and tokens per pass (spec-peers markers, "
-                         "results/spec_peers.json). Sets the defaults of --workloads, --settings and --out")
+                         "results/spec_peers.json); mtp: draft-mtp on the synthetic qwen35, as spec (mtp-peers markers, "
+                         "results/mtp_peers.json). Sets the defaults of --workloads, --settings and --out")
     ap.add_argument("--workloads", help="comma-separated (default: the table's)")
     ap.add_argument("--settings", help="comma-separated (default: the table's)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
@@ -693,7 +735,7 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1) + "\n")
-    md = (spec_markdown if table.name == "spec" else markdown)(data)
+    md = (markdown if table.name == "peers" else spec_markdown)(data)
     Path(args.from_json or args.out).with_suffix(".md").write_text(md)
     print(md)
     if args.readme:                                 # only this table's block: the other table's rows stay

@@ -248,3 +248,39 @@ def test_ngram_family_uses_llama_cpp_defaults_on_registry_models_only(name):
 def test_last_error_line(tmp_path, log, why):
     (tmp_path / "x.log").write_text(log)
     assert peers.last_error(tmp_path / "x.log") == why
+
+
+# ---- the mtp table (issue 12, item 2) -----------------------------------------------------------------
+
+def test_mtp_settings_run_on_the_synthetic_qwen35_only_and_make_a_table():
+    mtp = [s for s in peers.SETTINGS if s.name.startswith("draft-mtp")]
+    assert [s.name for s in mtp] == [f"draft-mtp n-max {k}" for k in (1, 3, 5)]
+    for s in mtp:
+        assert s.args[:2] == ("--spec-type", "draft-mtp") and s.systems == peers.SYSTEMS
+        assert all(s.applies(m) for m in peers.MTP_MODELS) and not s.applies("gemma-3-270m")
+        assert not s.applies(peers.EAGLE3_MODEL)
+    t = peers.TABLES["mtp"]
+    assert {peers.WORKLOADS[[w.name for w in peers.WORKLOADS].index(n)].model for n in t.workloads} == set(peers.MTP_MODELS)
+    assert t.out not in {o.out for o in peers.TABLES.values() if o is not t}
+    assert len({(o.begin, o.end) for o in peers.TABLES.values()}) == len(peers.TABLES)
+
+
+def test_mtp_verdict_per_n_max():
+    rs = []
+    model = next(iter(peers.MTP_MODELS))
+    for rep in range(2):
+        for sy, none, tps in (("specrun", 100, (110, 170, 210)), ("llama-server", 105, (115, 180, 200))):
+            rs.append(req(sy, "none", rep, none, 300, workload="mtp-free", model=model))
+            for k, t in zip((1, 3, 5), tps, strict=True):
+                rs.append(req(sy, f"draft-mtp n-max {k}", rep, t, 300, workload="mtp-free", model=model,
+                              drafted=64, accepted=64))
+    md = peers.spec_markdown({"meta": {**spec_run()["meta"], "workloads": {"mtp-free": {
+        "model": model, "file": "benchmarks/prompts/free.txt", "what": "free text"}}}, "servers": [], "requests": rs})
+    assert "`mtp-free`: specrun ÷ llama-server for draft-mtp (issue 12's goal ≥ 1.0) at n-max 1 0.96 (1.10× / " \
+           "1.10× none), n-max 3 0.94 (1.70× / 1.71× none), n-max 5 1.05 (2.10× / 1.90× none): met at 1 of 3." in md
+    assert "best EAGLE-3" not in md
+
+
+def test_readme_has_the_mtp_markers_once():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert text.count(peers.MTP_BEGIN) == 1 and text.count(peers.MTP_END) == 1
