@@ -169,7 +169,7 @@ def main() -> None:
     md = markdown(rows)
     print(md)
     out = Path(args.out)
-    out.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "peers": str(args.peers),
+    out.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "peers": rel(args.peers),
                                "peers_commit": data["meta"].get("commit"), "reps": args.reps,
                                "curves_ms": {m: {r: v[1] * 1e3 for r, v in c.items()} for m, c in curves.items()},
                                "rows": rows}, indent=1))
@@ -216,6 +216,12 @@ def measure_workload(e: Engine, w: str, prompt_text: str, theirs: dict, requests
               f"x{row.get('theirs', {}).get('modeled', float('nan')):.2f} (llama-server x"
               f"{row['llama_server_x_none'] or float('nan'):.2f})", file=sys.stderr)
     return rows
+
+
+def rel(path: str) -> str:
+    """path relative to the repository when it is inside it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
 def ratios(g: dict, base: dict) -> dict:

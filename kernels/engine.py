@@ -131,8 +131,7 @@ class Engine:
             raise SpecrunError(f"{model_path}: the model has no MTP heads, so --spec-type draft-mtp is not "
                                f"available; run `specrun inspect {model_path}` to see what it holds, "
                                "or pass MTP heads with -md HEADS.gguf")
-        # the longest draft: hybrid (recurrent) models roll back through n_rs_seq snapshots, and exact
-        # mode keeps verify batches under flash attention's 64-row tiled kernel
+        # the longest draft: exact mode keeps verify batches under flash attention's 64-row tiled kernel
         self.n_max_cap = max(spec.n_max, spec.ngram_size_m, 16)
         if params.exact:
             self.n_max_cap = min(self.n_max_cap, MAX_EXACT_BATCH - 1)
@@ -140,7 +139,7 @@ class Engine:
         try:
             self.ctx = Context(self.model, ContextParams(
                 n_ctx=params.n_ctx or self.model.n_ctx_train, n_batch=max(params.n_batch, self.n_max_cap + 1),
-                n_threads=params.n_threads, n_rs_seq=self.n_max_cap, nextn="all" if self.mtp_enabled else None))
+                n_threads=params.n_threads, n_rs_seq=self._rollback(spec), nextn="all" if self.mtp_enabled else None))
             self.n_ctx = self.ctx.n_ctx
             self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
             # long prompts: all but their last < 64 tokens through the fast prompt context (repacked
@@ -179,9 +178,41 @@ class Engine:
         return out
 
     def set_spec(self, spec: SpecParams) -> None:
-        """Switch spec types for the next generations (chat /spec); builds the drafters now."""
-        self.drafters = self.drafters_for(spec)
+        """Switch spec types for the next generations (chat /spec, auto's choice); builds the drafters
+        now. A hybrid model's context is made again (its cached prompt dropped) when the new types
+        roll back another number of tokens (_rollback)."""
+        drafters = self.drafters_for(spec)      # a spec that cannot run changes nothing
+        if self.model.recurrent and self._rollback(spec) != self.ctx.params.n_rs_seq:
+            self._remake_ctx(self._rollback(spec))
+            drafters = self.drafters_for(spec)
+        self.drafters = drafters
         self.params = replace(self.params, spec=spec)
+
+    def _rollback(self, spec: SpecParams, drafters: Sequence[Drafter] = ()) -> int:
+        """The tokens a verify pass may have to roll back: the longest draft of these drafters (or of
+        spec's types), within the cap; 0 without any. A hybrid model's context keeps that many
+        recurrent-state snapshots (llama.cpp's n_rs_seq) and every decode writes them (measured on
+        the realistic synthetic qwen35, f16, 2 threads: one token costs 16.3 ms with 0, 17.7 with 16,
+        24.0 with 48), so plain decoding keeps none, as llama-server does. Other models ignore it."""
+        types = [d.spec_type for d in drafters] or list(spec.types)
+        return max((min(draft_n_max(t, spec), self.n_max_cap) for t in types), default=0)
+
+    def _remake_ctx(self, n_rs_seq: int) -> None:
+        """The target context again with n_rs_seq snapshots (a hybrid model's rollback depth). Its KV
+        and every cached drafter go (drafters read the target's context); the pass costs start over."""
+        for d in self._drafters.values():
+            d.close()
+        self._drafters = {}
+        self.drafters = []
+        params = replace(self.ctx.params, n_rs_seq=n_rs_seq)
+        self.ctx.close()
+        self.ctx = None
+        self.ctx = Context(self.model, params)
+        self.kv_tokens = []
+        self._restored = 0
+        self.pass_cost = PassCost()
+        self.target = replace(self.target, ctx=self.ctx)
+        log.info("target context made again with %d recurrent-state snapshots (rollback depth)", n_rs_seq)
 
     def close(self) -> None:
         for d in self.__dict__.get("_drafters", {}).values():
@@ -239,6 +270,16 @@ class Engine:
             raise SpecrunError(f"the prompt exceeds the context size ({len(prompt)} tokens, ctx {self.n_ctx}); "
                                "raise -c or shorten the prompt")
         spec = spec or self.params.spec
+        explicit = drafters is not None
+        if self.model.recurrent and self._rollback(spec, drafters or ()) > self.ctx.params.n_rs_seq:
+            # a longer draft than the context can roll back (a request's own spec types): make it
+            # again, deeper, once; drafters that read the old context cannot follow
+            if explicit and any(d.needs_hidden for d in drafters):
+                raise SpecrunError(f"these drafters need {self._rollback(spec, drafters)} tokens of rollback and "
+                                   f"the target context keeps {self.ctx.params.n_rs_seq}; build the engine with "
+                                   "their spec types")
+            self._remake_ctx(self._rollback(spec, drafters or ()))
+            self.drafters = self.drafters_for(self.params.spec)
         if drafters is None:
             drafters = self.drafters if spec is self.params.spec else self.drafters_for(spec)
         for d in drafters:
@@ -301,6 +342,8 @@ class Engine:
                         else "interrupted"
                     return
                 k_cap = min(limit - n_emitted - 1, self.n_ctx - n_past - 2)   # llama-server's n_draft_max
+                if self.model.recurrent:          # what the hybrid model's context can roll back
+                    k_cap = min(k_cap, self.ctx.params.n_rs_seq)
                 draft, which = self._propose(drafters, np.asarray(ctx_tokens, dtype=np.int32), k_cap, lens,
                                              spec.n_min, st)
                 vp = None

@@ -189,6 +189,44 @@ def test_draft_mtp_equals_plain(mtp_models, head):
                         assert st.acceptance_rate < 0.2, (name, n_max)
 
 
+HYBRID_PROMPT = "the quick brown fox jumps over the lazy dog " * 40      # past 256 tokens
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+def test_hybrid_rollback_depth_follows_the_drafts_and_the_text_stays_plain(mtp_models, temp):
+    """A hybrid model's context keeps as many recurrent-state snapshots as its longest draft, since
+    every decode writes them: none keeps 0. A request whose drafts are longer makes the context
+    again, deeper, once; set_spec makes it again at the new types' depth. Text = plain throughout."""
+    with Engine(str(mtp_models["exact"]), EngineParams(n_ctx=2048)) as e:
+        assert e.model.recurrent and e.ctx.params.n_rs_seq == 0
+        prompt = e.tokenize(HYBRID_PROMPT)
+        plain, _ = run(e, prompt, temp, 96, spec=spec())
+        ngram = spec(("ngram-simple",), ngram_size_n=3, ngram_size_m=12)
+        got, st = run(e, prompt, temp, 96, spec=ngram)
+        assert e.ctx.params.n_rs_seq == 12 and got == plain and st.n_accepted > (0 if temp else 40)   # a bigram cycle
+        assert run(e, prompt, temp, 96, spec=spec())[0] == plain       # a shallower request keeps the depth
+        assert e.ctx.params.n_rs_seq == 12
+        e.set_spec(spec())
+        assert e.ctx.params.n_rs_seq == 0 and e.drafters == []
+        assert run(e, prompt, temp, 96)[0] == plain
+    with Engine(str(mtp_models["exact"]), EngineParams(n_ctx=2048, spec=spec(("draft-mtp",), 3))) as e:
+        assert e.ctx.params.n_rs_seq == 3
+        prompt = e.tokenize(HYBRID_PROMPT)
+        got, st = run(e, prompt, temp, 96, spec=spec(("draft-mtp",), 5))
+        assert e.ctx.params.n_rs_seq == 5 and got == plain and st.n_drafted > 0
+        assert run(e, prompt, temp, 96)[0] == plain                  # its own drafters, made again with it
+
+
+def test_hybrid_drafters_that_read_the_old_context_are_refused_a_deeper_one(mtp_models):
+    from specrun.gguf_spec.errors import SpecrunError
+
+    with Engine(str(mtp_models["exact"]), EngineParams(n_ctx=1024, spec=spec(("draft-mtp",), 3))) as e:
+        prompt = e.tokenize("Hello world, this is a test.")
+        with pytest.raises(SpecrunError, match="need 8 tokens of rollback and the target context keeps 3"):
+            run(e, prompt, 0.0, spec=spec(("draft-mtp",), 8), drafters=e.drafters)
+        assert run(e, prompt, 0.0, spec=spec(("draft-mtp",), 3), drafters=e.drafters)[1].n_drafted > 0
+
+
 def test_draft_mtp_without_heads_is_refused(smollm_path):
     from specrun.gguf_spec.errors import SpecrunError
 
