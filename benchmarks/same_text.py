@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -169,7 +170,8 @@ def main() -> None:
     md = markdown(rows)
     print(md)
     out = Path(args.out)
-    out.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "peers": rel(args.peers),
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    out.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "commit": commit.strip(), "peers": rel(args.peers),
                                "peers_commit": data["meta"].get("commit"), "reps": args.reps,
                                "curves_ms": {m: {r: v[1] * 1e3 for r, v in c.items()} for m, c in curves.items()},
                                "rows": rows}, indent=1))

@@ -192,8 +192,9 @@ class Engine:
         """The tokens a verify pass may have to roll back: the longest draft of these drafters (or of
         spec's types), within the cap; 0 without any. A hybrid model's context keeps that many
         recurrent-state snapshots (llama.cpp's n_rs_seq) and every decode writes them (measured on
-        the realistic synthetic qwen35, f16, 2 threads: one token costs 16.3 ms with 0, 17.7 with 16,
-        24.0 with 48), so plain decoding keeps none, as llama-server does. Other models ignore it."""
+        the realistic synthetic qwen35, f16, 2 threads, one run: one token costs 18.4 ms with 0, 21.0
+        with 16, 24.0 with 48), so plain decoding keeps none, as llama-server does. Other models
+        ignore it."""
         types = [d.spec_type for d in drafters] or list(spec.types)
         return max((min(draft_n_max(t, spec), self.n_max_cap) for t in types), default=0)
 
