@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 from draft_length import GREEDY, FrozenCost, measure_curve
+from peers import summarize
 
 from specrun.gguf_spec.registry import resolve_model
 from specrun.kernels import engine as engine_mod
@@ -131,13 +132,9 @@ def run_setting(e: Engine, prompt: np.ndarray, spec: SpecParams, n: int, cost: d
 
 
 def peers_x_none(requests: list[dict], workload: str) -> dict[str, float]:
-    """llama-server's median tok/s per setting over its median `none`, in the peers run."""
-    tps: dict[str, list[float]] = {}
-    for r in requests:
-        if r["system"] == "llama-server" and r["workload"] == workload and r.get("gen_tps"):
-            tps.setdefault(r["setting"], []).append(r["gen_tps"])
-    med = {s: statistics.median(v) for s, v in tps.items()}
-    return {s: v / med["none"] for s, v in med.items()} if "none" in med else {}
+    """llama-server's × none per setting in the peers run, as its table reads it (peers.summarize)."""
+    return {r["setting"]: r["x_none"] for r in summarize(requests)
+            if r["system"] == "llama-server" and r["workload"] == workload and r["x_none"] is not None}
 
 
 def main() -> None:
