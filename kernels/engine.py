@@ -104,6 +104,9 @@ class Generation:
         self.close()
 
 
+HIDDEN_TYPES = ("draft-mtp", "draft-eagle3")   # drafters that read the target's rows (Drafter.needs_hidden)
+
+
 def _free_proposals(d: Drafter) -> bool:
     """Whether a drafter's proposal is only a lookup in the tokens (the n-gram drafters), so that a
     draft may be made and scored without verifying it (adaptive length 0, its proposals scored whole)."""
@@ -189,14 +192,17 @@ class Engine:
         self.params = replace(self.params, spec=spec)
 
     def _rollback(self, spec: SpecParams, drafters: Sequence[Drafter] = ()) -> int:
-        """The tokens a verify pass may have to roll back: the longest draft of these drafters (or of
-        spec's types), within the cap; 0 without any. A hybrid model's context keeps that many
-        recurrent-state snapshots (llama.cpp's n_rs_seq) and every decode writes them (measured on
-        the realistic synthetic qwen35, f16, 2 threads, one run: one token costs 18.4 ms with 0, 21.0
-        with 16, 24.0 with 48), so plain decoding keeps none, as llama-server does. Other models
-        ignore it."""
-        types = [d.spec_type for d in drafters] or list(spec.types)
-        return max((min(draft_n_max(t, spec), self.n_max_cap) for t in types), default=0)
+        """The recurrent-state snapshots a hybrid model's context keeps (llama.cpp's n_rs_seq): the
+        longest draft of the drafters that read the target's rows (draft-mtp, draft-eagle3: their
+        contexts follow the target's, so its rollback must be in place), within the cap; 0 for the
+        others, as llama.cpp's need_n_rs_seq. Every decode writes the snapshots (measured on the
+        realistic synthetic qwen35, f16, 2 threads, one run: one token costs 18.4 ms with 0, 21.0
+        with 16, 24.0 with 48; each is a copy of the state, 2.7 MiB there), so n-gram and draft-model
+        drafts longer than the snapshots are verified behind a checkpoint instead (_step). Other
+        models ignore it."""
+        hidden = ([d.spec_type for d in drafters if d.needs_hidden] if drafters
+                  else [t for t in spec.types if t in HIDDEN_TYPES])
+        return max((min(draft_n_max(t, spec), self.n_max_cap) for t in hidden), default=0)
 
     def _remake_ctx(self, n_rs_seq: int) -> None:
         """The target context again with n_rs_seq snapshots (a hybrid model's rollback depth). Its KV
@@ -314,6 +320,10 @@ class Engine:
         for dl in lens:
             dl.start(self.pass_cost)
         n_emitted, t0, t_gen0 = 0, time.perf_counter(), None
+        # a hybrid model's drafts past its snapshots go behind a checkpoint (_step), unless a drafter
+        # reads the target's rows (its context cannot be restored with the target's)
+        ckpt_ok = self.model.recurrent and not any(d.needs_hidden for d in drafters)
+        replay: list[int] = []      # tokens to evaluate again after a checkpoint restore (_step)
         try:
             if limit == 0:
                 st.stop = "n_predict"
@@ -343,8 +353,8 @@ class Engine:
                         else "interrupted"
                     return
                 k_cap = min(limit - n_emitted - 1, self.n_ctx - n_past - 2)   # llama-server's n_draft_max
-                if self.model.recurrent:          # what the hybrid model's context can roll back
-                    k_cap = min(k_cap, self.ctx.params.n_rs_seq)
+                if self.model.recurrent and (replay or not ckpt_ok):   # what the context can roll back
+                    k_cap = min(k_cap, self.ctx.params.n_rs_seq, self.n_max_cap - len(replay))
                 draft, which = self._propose(drafters, np.asarray(ctx_tokens, dtype=np.int32), k_cap, lens,
                                              spec.n_min, st)
                 vp = None
@@ -352,11 +362,12 @@ class Engine:
                     vp = cons.verify_pass(draft)
                     draft, which = vp.draft, which if len(vp.draft) else -1
                 try:
-                    verdict = self._step(id_last, n_past, draft, sampling, spec, drafters, vp)
+                    verdict, replay = self._step(id_last, n_past, draft, sampling, spec, drafters, vp, replay)
                 finally:
                     if vp is not None:
                         vp.close()
                 st.n_target_passes += 1
+                st.n_restores += bool(replay)
                 if which >= 0:
                     st.verify = verify_mode(spec, sampling, draft)   # empty drafts are plain steps
                     st.drafters[which].record(len(draft), verdict.n_accepted)
@@ -435,36 +446,51 @@ class Engine:
         return Draft.empty(), -1
 
     def _step(self, id_last: int, n_past: int, draft: Draft, sampling: SamplingParams, spec: SpecParams,
-              drafters: list[Drafter], vp: VerifyPass | None = None) -> Verdict:
+              drafters: list[Drafter], vp: VerifyPass | None = None,
+              replay: Sequence[int] = ()) -> tuple[Verdict, list[int]]:
         """One target pass over [id_last, d1..dk] at positions n_past..: verify the draft, roll back
         the rejected rows, tell every drafter what the target kept. vp: the logit controls' states
-        for this draft's rows (row i read with the state after d1..di), or None."""
-        k = len(draft)
-        batch = np.empty(k + 1, dtype=np.int32)
-        batch[0] = id_last
-        batch[1:] = draft.tokens
+        for this draft's rows (row i read with the state after d1..di), or None.
+
+        A hybrid model rolls back through its n_rs_seq snapshots; a longer draft is verified behind
+        a checkpoint of its recurrent state, and a partial accept past the snapshots restores it:
+        the kept tokens [id_last, d1..da] are then returned as `replay`, to be evaluated again in
+        front of the next pass (at positions n_past - len(replay)..; output rows only from id_last
+        on, and drafters see only those), as llama-server replays them. Returns (verdict, replay)."""
+        k, r = len(draft), len(replay)
+        batch = np.empty(r + k + 1, dtype=np.int32)
+        batch[:r] = replay
+        batch[r] = id_last
+        batch[r + 1:] = draft.tokens
+        ckpt = self.model.recurrent and k > self.ctx.params.n_rs_seq
+        if ckpt:
+            self.ctx.checkpoint()
         t = time.perf_counter()
-        self.ctx.decode(batch, n_past, "all")
-        self.pass_cost.record(k + 1, time.perf_counter() - t)
+        self.ctx.decode(batch, n_past - r, r)
+        self.pass_cost.record(r + k + 1, time.perf_counter() - t)
         rows = self.ctx.logits_rows()             # float32 [k + 1, n_vocab]
         verdict = verify(draft, rows if vp is None else vp.rows(rows), sampling, n_past + 1,
                          verify_mode(spec, sampling, draft))
         n_keep = verdict.n_accepted + 1
+        tp = self._target_pass(batch, n_past - r, r + n_keep, r)
+        for d in drafters:
+            d.accept(tp)
+        if n_keep < k + 1 and ckpt and k + 1 - n_keep > self.ctx.params.n_rs_seq:
+            self.ctx.restore()                    # back to n_past - r; the logits rows stay
+            return verdict, batch[:r + n_keep].tolist()
         if n_keep < k + 1 and not self.ctx.seq_rm(n_past + n_keep, -1):
             raise LlamaError(f"could not roll the KV cache back to {n_past + n_keep} tokens after a partial "
                              f"accept ({verdict.n_accepted}/{k}); n_rs_seq = {self.ctx.params.n_rs_seq}")
-        self.kv_tokens.extend(batch[:n_keep].tolist())
-        tp = self._target_pass(batch, n_past, n_keep)
-        for d in drafters:
-            d.accept(tp)
-        return verdict
+        self.kv_tokens.extend(batch[:r + n_keep].tolist())
+        return verdict, []
 
-    def _target_pass(self, tokens: np.ndarray, pos0: int, n_keep: int) -> TargetPass:
-        """The last target decode, with the rows the context exports: hidden (MTP), the extract
-        layers' inputs (EAGLE-3)."""
-        hidden = self.ctx.nextn_rows() if self.ctx.params.nextn else None
-        features = self.ctx.layer_rows(self.ctx.layer_inp) if self.ctx.layer_inp else None
-        return TargetPass(tokens, pos0, n_keep, hidden, features)
+    def _target_pass(self, tokens: np.ndarray, pos0: int, n_keep: int, skip: int = 0) -> TargetPass:
+        """The last target decode (tokens at pos0.., the first n_keep kept), with the rows the
+        context exports: hidden (MTP), the extract layers' inputs (EAGLE-3); without its first
+        `skip` tokens (replayed ones, which the drafters have seen)."""
+        hidden = self.ctx.nextn_rows()[skip:] if self.ctx.params.nextn else None
+        features = self.ctx.layer_rows(self.ctx.layer_inp)[skip:] if self.ctx.layer_inp else None
+        return TargetPass(tokens[skip:], pos0 + skip, n_keep - skip, hidden, features)
 
     def _prefill(self, prompt: np.ndarray, drafters: list[Drafter], opts: DraftOptions, st: GenStats,
                  cancel: Callable[[], bool]) -> np.ndarray | None:

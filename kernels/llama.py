@@ -402,6 +402,7 @@ class Context:
         self.n_outputs = 0
         self.n_rows = 0
         self._bext = None  # extended batch (MTP rows carrying hidden states), made on first use
+        self._ckpt, self._ckpt_pos = None, -1   # checkpoint(): seq 0's recurrent state, its position
         self.layer_inp: tuple[int, ...] = ()   # layers whose inputs every decode exports (EAGLE-3)
 
     @property
@@ -429,10 +430,11 @@ class Context:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def decode(self, tokens, pos0: int, logits: str = "last") -> None:
+    def decode(self, tokens, pos0: int, logits: str | int = "last") -> None:
         """Evaluate tokens (int [n], n <= n_batch) at positions pos0.. in seq 0.
 
-        logits: "all" (one output row per token, e.g. a verify pass), "last" or "none".
+        logits: "all" (one output row per token, e.g. a verify pass), "last", "none", or an int
+        i: rows i..n-1 (a verify pass behind tokens replayed after a checkpoint restore).
         requires: pos0 + n <= n_ctx.  Raises LlamaError on any non-zero return code; on error
         llama.cpp restores the memory to its state before the call.
         """
@@ -446,19 +448,18 @@ class Context:
                              "raise -c or shorten the prompt")
         self._tok[:n] = tokens
         self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        if logits == "all":
-            self._out[:n] = 1
-        else:
-            self._out[:n] = 0
-            if logits == "last":
-                self._out[n - 1] = 1
+        first = 0 if logits == "all" else n - 1 if logits == "last" else n if logits == "none" else int(logits)
+        if not 0 <= first <= n:
+            raise LlamaError(f"output rows from {first} of a batch of {n}")
+        self._out[:first] = 0
+        self._out[first:n] = 1
         self._batch.n_tokens = n
         rc = L.llama_decode(self.ptr, self._batch)
         if rc != 0:
             raise LlamaError(f"llama_decode returned {rc} for {n} tokens at position {pos0} "
                              f"(ctx {self.n_ctx})" + ("; the KV cache is full, raise -c" if rc == 1 else ""))
         self.n_rows = n
-        self.n_outputs = n if logits == "all" else (1 if logits == "last" else 0)
+        self.n_outputs = n - first
 
     def logits_rows(self) -> np.ndarray:
         """float32 [n_outputs, n_vocab]: the last decode's output rows in batch order.
@@ -580,6 +581,33 @@ class Context:
 
     def clear(self) -> None:
         L.llama_memory_clear(self.mem, True)
+
+    def checkpoint(self) -> None:
+        """Keep seq 0's recurrent state (llama.cpp's LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: what a hybrid
+        model cannot roll back past its n_rs_seq snapshots; the attention cells are not copied),
+        for restore(). One checkpoint per context, overwritten by the next; its buffer is reused.
+        Cost: a copy of the state (the realistic synthetic qwen35: 2.7 MiB)."""
+        flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        n = L.llama_state_seq_get_size_ext(self.ptr, 0, flags)
+        if self._ckpt is None or len(self._ckpt) != n:
+            self._ckpt = (ctypes.c_uint8 * n)()
+        got = L.llama_state_seq_get_data_ext(self.ptr, self._ckpt, n, 0, flags)
+        if got != n:
+            self._ckpt = None
+            raise LlamaError(f"llama_state_seq_get_data_ext wrote {got} of {n} bytes")
+        self._ckpt_pos = self.pos_max()
+
+    def restore(self) -> None:
+        """Back to the last checkpoint(): its recurrent state, and the attention cells past its
+        position dropped. Decode the tokens after it again to go on (llama-server's replay)."""
+        if self._ckpt is None:
+            raise LlamaError("no checkpoint to restore")
+        flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        got = L.llama_state_seq_set_data_ext(self.ptr, self._ckpt, len(self._ckpt), 0, flags)
+        if got != len(self._ckpt) or not self.seq_rm(self._ckpt_pos + 1, -1):
+            self.clear()
+            raise LlamaError(f"could not restore the checkpoint at position {self._ckpt_pos} "
+                             f"(read {got} of {len(self._ckpt)} bytes){_reason()}")
 
     def pos_max(self) -> int:
         return int(L.llama_memory_seq_pos_max(self.mem, 0))

@@ -53,6 +53,8 @@ class GenStats:
     fast_weights_mib: float = 0.0  # ...and its repacked copy of the weights (0: it runs the exact ones)
     n_gen: int = 0               # tokens emitted
     n_target_passes: int = 0     # target decodes during generation (one per verify)
+    n_restores: int = 0          # hybrid models: partial accepts past the snapshots, undone by a
+                                 # checkpoint restore and replayed in front of the next pass
     t_prompt_s: float = 0.0
     t_gen_s: float = 0.0
     stop: str = ""               # "eog" | "n_predict" | "ctx" | "interrupted" | "stop"
@@ -98,7 +100,8 @@ class GenStats:
                   + ("them)" if self.fast_weights_mib else "it)") if self.n_prompt_fast else ""),
                f"generation: {self.n_gen} tokens in {self.t_gen_s * 1e3:.1f} ms "
                f"({self.gen_tps:.2f} tokens/s), {self.n_target_passes} target passes "
-               f"({self.tokens_per_pass:.2f} tokens/pass)"]
+               f"({self.tokens_per_pass:.2f} tokens/pass)"
+               + (f", {self.n_restores} checkpoint restores" if self.n_restores else "")]
         if self.drafters:
             out.append(f"draft acceptance rate = {self.acceptance_rate:.5f} "
                        f"({self.n_accepted} accepted / {self.n_drafted} generated)")

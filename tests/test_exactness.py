@@ -192,29 +192,82 @@ def test_draft_mtp_equals_plain(mtp_models, head):
 HYBRID_PROMPT = "the quick brown fox jumps over the lazy dog " * 40      # past 256 tokens
 
 
+def run_lp(engine: Engine, prompt: np.ndarray, temp: float, n_gen: int, **kw):
+    """run() with each emitted token's log-probability and top 2 (the verify rows, compared bit for bit)."""
+    gen = engine.generate(prompt, n_gen, sampling(temp), logprobs=2, **kw)
+    toks = [t for x in gen for t in x]
+    return toks, gen.stats, [(lp.token, lp.logprob, tuple(lp.top)) for lp in gen.logprobs]
+
+
 @pytest.mark.parametrize("temp", TEMPS)
 def test_hybrid_rollback_depth_follows_the_drafts_and_the_text_stays_plain(mtp_models, temp):
-    """A hybrid model's context keeps as many recurrent-state snapshots as its longest draft, since
-    every decode writes them: none keeps 0. A request whose drafts are longer makes the context
-    again, deeper, once; set_spec makes it again at the new types' depth. Text = plain throughout."""
+    """A hybrid model's context keeps recurrent-state snapshots only for the drafters that read its
+    rows (MTP: as many as their longest draft), since every decode writes them: none and the n-gram
+    types keep 0, their drafts verified behind a checkpoint. A request whose MTP drafts are longer
+    makes the context again, deeper, once; set_spec makes it again at the new types' depth. Text =
+    plain throughout."""
     with Engine(str(mtp_models["exact"]), EngineParams(n_ctx=2048)) as e:
         assert e.model.recurrent and e.ctx.params.n_rs_seq == 0
         prompt = e.tokenize(HYBRID_PROMPT)
         plain, _ = run(e, prompt, temp, 96, spec=spec())
         ngram = spec(("ngram-simple",), ngram_size_n=3, ngram_size_m=12)
         got, st = run(e, prompt, temp, 96, spec=ngram)
-        assert e.ctx.params.n_rs_seq == 12 and got == plain and st.n_accepted > (0 if temp else 40)   # a bigram cycle
-        assert run(e, prompt, temp, 96, spec=spec())[0] == plain       # a shallower request keeps the depth
-        assert e.ctx.params.n_rs_seq == 12
-        e.set_spec(spec())
-        assert e.ctx.params.n_rs_seq == 0 and e.drafters == []
-        assert run(e, prompt, temp, 96)[0] == plain
+        assert e.ctx.params.n_rs_seq == 0 and got == plain and st.n_accepted > (0 if temp else 40)   # a bigram cycle
+        e.set_spec(ngram)
+        assert e.ctx.params.n_rs_seq == 0 and len(e.drafters) == 1
     with Engine(str(mtp_models["exact"]), EngineParams(n_ctx=2048, spec=spec(("draft-mtp",), 3))) as e:
         assert e.ctx.params.n_rs_seq == 3
         prompt = e.tokenize(HYBRID_PROMPT)
         got, st = run(e, prompt, temp, 96, spec=spec(("draft-mtp",), 5))
         assert e.ctx.params.n_rs_seq == 5 and got == plain and st.n_drafted > 0
         assert run(e, prompt, temp, 96)[0] == plain                  # its own drafters, made again with it
+        assert run(e, prompt, temp, 96, spec=spec())[0] == plain     # a shallower request keeps the depth
+        assert e.ctx.params.n_rs_seq == 5
+        e.set_spec(spec())
+        assert e.ctx.params.n_rs_seq == 0 and e.drafters == []
+        assert run(e, prompt, temp, 96)[0] == plain
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("depth", [0, 3])
+def test_hybrid_checkpoint_restore_replays_to_plain(mtp_models, temp, depth):
+    """n-gram drafts longer than a hybrid model's snapshots (0, or 3 left by draft-mtp) are verified
+    behind a checkpoint of its recurrent state; a partial accept past the snapshots restores it and
+    replays the kept tokens in front of the next pass. Forced through both branches (n-gram drafts
+    of the cycle: right; shifted: always wrong, restored past the snapshots), the tokens and every emitted
+    token's log-probability and top 2 equal plain decoding's, bit for bit, past 256 tokens."""
+    from specrun.kernels.drafters import NgramSimple
+
+    types = ("draft-mtp",) if depth else ()
+    with Engine(str(mtp_models["exact"]), EngineParams(n_ctx=2048, spec=spec(types, depth))) as e:
+        assert e.ctx.params.n_rs_seq == depth
+        prompt = e.tokenize(HYBRID_PROMPT)
+        plain, _, lp_plain = run_lp(e, prompt, temp, 96, spec=spec())
+        ngram = spec(("ngram-simple",), ngram_size_n=3, ngram_size_m=12)
+        got, st, lp = run_lp(e, prompt, temp, 96, spec=ngram)
+        assert (got, lp) == (plain, lp_plain) and st.n_accepted > 0
+        wrong = [ShiftedDraft(NgramSimple(3, 12, 1), e.model.n_vocab)]
+        got, st, lp = run_lp(e, prompt, temp, 96, spec=ngram, drafters=wrong)
+        assert (got, lp) == (plain, lp_plain)
+        assert st.n_drafted > 0 and st.n_accepted == 0
+        if depth == 0:                       # every rejection goes past the snapshots
+            assert st.n_restores == st.drafters[0].n_gen_drafts
+        else:                                # drafts of <= 3 roll back through them (replay steps' too)
+            assert 0 < st.n_restores < st.drafters[0].n_gen_drafts
+        assert e.ctx.params.n_rs_seq == depth
+
+
+def test_hybrid_mtp_with_ngrams_keeps_ngram_drafts_within_the_snapshots(mtp_models):
+    """With a drafter that reads the target's rows (MTP), a hybrid model takes no checkpoints: every
+    draft, n-gram ones too, stays within its snapshots (--spec-draft-n-max), and nothing is restored."""
+    both = spec(("ngram-simple", "draft-mtp"), 3, ngram_size_n=3, ngram_size_m=12)
+    with Engine(str(mtp_models["random"]), EngineParams(n_ctx=2048, spec=both)) as e:
+        assert e.ctx.params.n_rs_seq == 3
+        prompt = e.tokenize(HYBRID_PROMPT)
+        plain, _ = run(e, prompt, 0.0, 96, spec=spec())
+        got, st = run(e, prompt, 0.0, 96)
+        assert got == plain and st.n_restores == 0 and st.drafters[0].n_gen_tokens > 0
+        assert 0 < len(st.drafters[0].acc_per_pos) <= 3          # its longest draft
 
 
 def test_hybrid_drafters_that_read_the_old_context_are_refused_a_deeper_one(mtp_models):
