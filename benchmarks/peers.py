@@ -153,9 +153,10 @@ TABLES = {
     "spec": Table("spec", SPEC_BEGIN, SPEC_END, "spec_peers.json",
                   ("code-rewrite", "verbatim", "json-table", "summary", "chat-reuse", "eagle3-free"),
                   ("none", "ngram-simple", *NGRAM_FAMILY, *(f"draft-eagle3 n-max {k}" for k in EAGLE3_N_MAX))),
-    # issue 12, item 2: draft-mtp, the verify-heavy setting, on the synthetic qwen35 with an exact and a noisy head
+    # issue 12, item 2: draft-mtp, the verify-heavy setting, on the synthetic qwen35 with an exact and a noisy head;
+    # and the n-gram drafts on that hybrid model (llama-server: checkpoints, no recurrent-state snapshots)
     "mtp": Table("mtp", MTP_BEGIN, MTP_END, "mtp_peers.json", ("mtp-free", "mtp-noisy-free"),
-                 ("none", *(f"draft-mtp n-max {k}" for k in MTP_N_MAX))),
+                 ("none", *(f"draft-mtp n-max {k}" for k in MTP_N_MAX), "ngram-simple", "ngram-simple n3 m16")),
 }
 
 

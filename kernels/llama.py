@@ -566,9 +566,14 @@ class Context:
         return True
 
     def keep_prefix(self, keep: int, n_held: int) -> int:
-        """Shrink seq 0 from n_held positions to its first `keep`. Returns keep, or 0 after clearing
-        the memory when it cannot roll back (a hybrid model past its n_rs_seq snapshots)."""
+        """Shrink seq 0 from n_held positions to at most its first `keep`. Returns how many it
+        holds: keep; or, when the memory cannot roll back (a hybrid model past its n_rs_seq
+        snapshots), the checkpoint's length if one at or below keep is valid (restored), else 0
+        after clearing the memory."""
         if keep < n_held and not self.seq_rm(keep, -1):
+            if 0 <= self._ckpt_pos < keep:
+                self.restore()
+                return self._ckpt_pos + 1
             log.info("cannot roll the memory back to %d tokens; clearing it", keep)
             self.clear()
             return 0
@@ -577,16 +582,21 @@ class Context:
     def seq_rm(self, p0: int, p1: int = -1) -> bool:
         """Drop positions [p0, p1) of seq 0 (p1 = -1: to the end). False when the memory cannot
         (a hybrid model asked to drop more than n_rs_seq tokens, or twice per decode)."""
-        return bool(L.llama_memory_seq_rm(self.mem, 0, p0, p1))
+        ok = bool(L.llama_memory_seq_rm(self.mem, 0, p0, p1))
+        if ok and p0 <= self._ckpt_pos:
+            self._ckpt_pos = -1                  # the checkpoint's history is gone
+        return ok
 
     def clear(self) -> None:
         L.llama_memory_clear(self.mem, True)
+        self._ckpt_pos = -1
 
     def checkpoint(self) -> None:
         """Keep seq 0's recurrent state (llama.cpp's LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: what a hybrid
         model cannot roll back past its n_rs_seq snapshots; the attention cells are not copied),
-        for restore(). One checkpoint per context, overwritten by the next; its buffer is reused.
-        Cost: a copy of the state (the realistic synthetic qwen35: 2.7 MiB)."""
+        for restore() (and keep_prefix()). One checkpoint per context, overwritten by the next, and
+        forgotten when the positions it stands on are dropped; its buffer is reused. Cost: a copy of
+        the state (the realistic synthetic qwen35: 2.7 MiB)."""
         flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         n = L.llama_state_seq_get_size_ext(self.ptr, 0, flags)
         if self._ckpt is None or len(self._ckpt) != n:
@@ -600,13 +610,13 @@ class Context:
     def restore(self) -> None:
         """Back to the last checkpoint(): its recurrent state, and the attention cells past its
         position dropped. Decode the tokens after it again to go on (llama-server's replay)."""
-        if self._ckpt is None:
+        if self._ckpt is None or self._ckpt_pos < 0:
             raise LlamaError("no checkpoint to restore")
-        flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        flags, pos = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, self._ckpt_pos
         got = L.llama_state_seq_set_data_ext(self.ptr, self._ckpt, len(self._ckpt), 0, flags)
-        if got != len(self._ckpt) or not self.seq_rm(self._ckpt_pos + 1, -1):
+        if got != len(self._ckpt) or not self.seq_rm(pos + 1, -1):
             self.clear()
-            raise LlamaError(f"could not restore the checkpoint at position {self._ckpt_pos} "
+            raise LlamaError(f"could not restore the checkpoint at position {pos} "
                              f"(read {got} of {len(self._ckpt)} bytes){_reason()}")
 
     def pos_max(self) -> int:

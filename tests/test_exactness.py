@@ -257,6 +257,32 @@ def test_hybrid_checkpoint_restore_replays_to_plain(mtp_models, temp, depth):
         assert e.ctx.params.n_rs_seq == depth
 
 
+@pytest.mark.parametrize("temp", TEMPS)
+def test_hybrid_draft_model_rolls_back_through_its_checkpoint(mtp_models, temp, caplog):
+    """draft-simple with a hybrid draft model (the target itself) on a hybrid target: both roll their
+    rejected tokens back through checkpoints, never by starting over. Always right (the target as its
+    own draft) and always wrong (shifted): text = plain past 256 tokens."""
+    import logging
+
+    path = str(mtp_models["exact"])
+    with Engine(path, EngineParams(n_ctx=2048, draft_model=path, spec=spec(("draft-simple",), 5))) as e:
+        assert e.ctx.params.n_rs_seq == 0 and e.drafters[0].model.recurrent
+        prompt = e.tokenize(HYBRID_PROMPT)
+        plain, _ = run(e, prompt, temp, 96, spec=spec())
+        with caplog.at_level(logging.INFO, logger="specrun.kernels.llama"):
+            got, st = run(e, prompt, temp, 96)
+            assert got == plain and st.n_drafted > 0
+            if temp == 0.0:
+                assert st.n_accepted == st.n_drafted and st.n_restores == 0
+            wrong = [ShiftedDraft(e.drafters[0], e.model.n_vocab)]
+            got, st = run(e, prompt, temp, 96, drafters=wrong)
+            assert got == plain and st.n_accepted == 0 and st.n_restores == st.drafters[0].n_gen_drafts > 0
+        # a context starts over only where a generation starts (the prompt's cache past its end),
+        # never for a rejected draft
+        starts = [r.args[0] for r in caplog.records if "cannot roll the memory back" in r.msg]
+        assert starts and all(keep <= len(prompt) for keep in starts)
+
+
 def test_hybrid_mtp_with_ngrams_keeps_ngram_drafts_within_the_snapshots(mtp_models):
     """With a drafter that reads the target's rows (MTP), a hybrid model takes no checkpoints: every
     draft, n-gram ones too, stays within its snapshots (--spec-draft-n-max), and nothing is restored."""

@@ -51,6 +51,7 @@ class DraftModel:
         self.fast = (FastPrefill(self.model, target.n_ctx, target.n_threads, self.ctx.kv_rot)
                      if target.fast_prefill and not self.model.recurrent else None)
         self._restored = 0                 # fast_len of the state loaded into self.ctx; 0: none
+        self._draft_at = -1                # position of the last draft's first token (-1: none pending)
 
     def close(self) -> None:
         if self.fast is not None:
@@ -62,7 +63,7 @@ class DraftModel:
         """A long prompt's whole blocks come from the fast prompt context now (never rolled back
         below them afterwards); the rest of the draft KV is brought to the context lazily, in
         propose(): any prefix will do."""
-        self.opts = opts
+        self.opts, self._draft_at = opts, -1
         fast = fast_len(len(prompt)) if self.fast is not None else 0
         if fast and (self._restored != fast or common_prefix(self.kv, prompt) < fast):
             self.ctx.clear()
@@ -90,8 +91,10 @@ class DraftModel:
         if n_max <= 0 or len(ctx) + n_max >= self.ctx.n_ctx:
             return Draft.empty()
         self._sync(ctx)
+        if self.model.recurrent:     # a hybrid draft model rolls its drafted tokens back to here
+            self.ctx.checkpoint()
         d = DraftTokens(self.opts.sampling, self.opts.p_min)
-        pos = len(ctx)  # position of the first drafted token
+        pos = self._draft_at = len(ctx)  # position of the first drafted token
         while (tok := d.add(self.ctx.logits_rows()[-1][: self.n_vocab_target], pos + len(d))) is not None \
                 and len(d) < n_max:
             self.ctx.decode([tok], pos + len(d) - 1, "last")
@@ -100,8 +103,12 @@ class DraftModel:
 
     def accept(self, tp: TargetPass) -> None:
         """Forget the drafted tokens the target rejected, so the next propose() re-syncs from the
-        last accepted one (llama.cpp's draft-simple does the same through its prompt cache)."""
-        end = tp.pos0 + tp.n_keep
-        if end >= self._restored and len(self.kv) > end and self.kv[tp.pos0:end] == [int(t) for t in tp.tokens[:tp.n_keep]]:
-            self.ctx.keep_prefix(end, len(self.kv))
-            del self.kv[end:]
+        last accepted one (llama.cpp's draft-simple does the same through its prompt cache). Only
+        after a draft: a prompt chunk keeps the cached tokens past it for propose() to reuse."""
+        end, at = tp.pos0 + tp.n_keep, self._draft_at
+        self._draft_at = -1
+        if 0 <= at <= end and end >= self._restored and len(self.kv) > end \
+                and self.kv[tp.pos0:end] == [int(t) for t in tp.tokens[:tp.n_keep]]:
+            # a hybrid draft model goes back to its checkpoint before the draft (the next propose()
+            # evaluates the accepted tokens again), or, without one, starts over
+            del self.kv[self.ctx.keep_prefix(end, len(self.kv)):]
