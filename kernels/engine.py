@@ -197,7 +197,7 @@ class Engine:
         contexts follow the target's, so its rollback must be in place), within the cap; 0 for the
         others, as llama.cpp's need_n_rs_seq. Every decode writes the snapshots (measured on the
         realistic synthetic qwen35, f16, 2 threads, one run: one token costs 18.4 ms with 0, 21.0
-        with 16, 24.0 with 48; each is a copy of the state, 2.7 MiB there), so n-gram and draft-model
+        with 16, 24.0 with 48; each is a copy of the state, 2.6 MiB there), so n-gram and draft-model
         drafts longer than the snapshots are verified behind a checkpoint instead (_step). Other
         models ignore it."""
         hidden = ([d.spec_type for d in drafters if d.needs_hidden] if drafters
@@ -529,6 +529,7 @@ class Engine:
             start = fast
         else:
             start = keep = self.ctx.keep_prefix(keep, len(self.kv_tokens))
+            st.n_prompt = n - keep      # a hybrid model may have gone back further (a checkpoint, or 0)
             if keep < self._restored:
                 self._restored = 0
             self.kv_tokens = prompt[:keep].tolist()
@@ -540,6 +541,14 @@ class Engine:
             self.kv_tokens.extend(chunk.tolist())
             return not cancel()
 
+        if self.model.recurrent and start < n - 1:
+            # a hybrid model cannot roll back into a prompt: keep a checkpoint before its last token,
+            # where a request with the same prompt, or a chat turn that re-renders the reply after
+            # it, takes over (as llama-server's context checkpoints near a prompt's end)
+            if not self.ctx.decode_chunks(prompt[start:n - 1], start, on_chunk, chunk=self.ctx.n_ubatch):
+                return None
+            self.ctx.checkpoint(prompt=True)
+            start = n - 1
         if not self.ctx.decode_chunks(prompt[start:], start, on_chunk, chunk=self.ctx.n_ubatch):
             return None
         return self.ctx.logits_rows()[-1]

@@ -336,6 +336,17 @@ def _k_rot_block(n_embd_head_k: int) -> int:
     return n
 
 
+N_PROMPT_CKPTS = 4     # prompt checkpoints a hybrid model's context keeps (llama-server keeps up to 32)
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    """A recurrent state (llama_state_seq_get_data_ext, PARTIAL_ONLY) of seq 0 at position pos."""
+
+    pos: int                 # its last position; -1: forgotten
+    buf: ctypes.Array
+
+
 class Context:
     """One llama.cpp context over a Model, with a single sequence (seq 0).
 
@@ -402,7 +413,8 @@ class Context:
         self.n_outputs = 0
         self.n_rows = 0
         self._bext = None  # extended batch (MTP rows carrying hidden states), made on first use
-        self._ckpt, self._ckpt_pos = None, -1   # checkpoint(): seq 0's recurrent state, its position
+        self._ckpt: _Checkpoint | None = None          # checkpoint(): the draft checkpoint
+        self._prompt_ckpts: list[_Checkpoint] = []     # checkpoint(prompt=True), oldest first
         self.layer_inp: tuple[int, ...] = ()   # layers whose inputs every decode exports (EAGLE-3)
 
     @property
@@ -568,12 +580,14 @@ class Context:
     def keep_prefix(self, keep: int, n_held: int) -> int:
         """Shrink seq 0 from n_held positions to at most its first `keep`. Returns how many it
         holds: keep; or, when the memory cannot roll back (a hybrid model past its n_rs_seq
-        snapshots), the checkpoint's length if one at or below keep is valid (restored), else 0
-        after clearing the memory."""
+        snapshots), the length of the latest valid checkpoint below keep (restored), else 0 after
+        clearing the memory."""
         if keep < n_held and not self.seq_rm(keep, -1):
-            if 0 <= self._ckpt_pos < keep:
-                self.restore()
-                return self._ckpt_pos + 1
+            below = [c for c in (self._ckpt, *self._prompt_ckpts) if c is not None and 0 <= c.pos < keep]
+            if below:
+                best = max(below, key=lambda c: c.pos)
+                self.restore(best)
+                return best.pos + 1
             log.info("cannot roll the memory back to %d tokens; clearing it", keep)
             self.clear()
             return 0
@@ -583,41 +597,58 @@ class Context:
         """Drop positions [p0, p1) of seq 0 (p1 = -1: to the end). False when the memory cannot
         (a hybrid model asked to drop more than n_rs_seq tokens, or twice per decode)."""
         ok = bool(L.llama_memory_seq_rm(self.mem, 0, p0, p1))
-        if ok and p0 <= self._ckpt_pos:
-            self._ckpt_pos = -1                  # the checkpoint's history is gone
+        if ok:
+            self._forget_ckpts(p0)
         return ok
 
     def clear(self) -> None:
         L.llama_memory_clear(self.mem, True)
-        self._ckpt_pos = -1
+        self._forget_ckpts(0)
 
-    def checkpoint(self) -> None:
+    def _forget_ckpts(self, p0: int) -> None:
+        """Checkpoints standing on a position >= p0 (dropped): their history is gone."""
+        if self._ckpt is not None and self._ckpt.pos >= p0:
+            self._ckpt.pos = -1
+        self._prompt_ckpts = [c for c in self._prompt_ckpts if c.pos < p0]
+
+    def checkpoint(self, prompt: bool = False) -> None:
         """Keep seq 0's recurrent state (llama.cpp's LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: what a hybrid
-        model cannot roll back past its n_rs_seq snapshots; the attention cells are not copied),
-        for restore() (and keep_prefix()). One checkpoint per context, overwritten by the next, and
-        forgotten when the positions it stands on are dropped; its buffer is reused. Cost: a copy of
-        the state (the realistic synthetic qwen35: 2.7 MiB)."""
+        model cannot roll back past its n_rs_seq snapshots; the attention cells are not copied), at
+        its last position, for restore() and keep_prefix(). The draft checkpoint (prompt False) is
+        one per context, overwritten by the next, its buffer reused; prompt checkpoints (a prompt's
+        end, for the next request that shares it) are kept, the last N_PROMPT_CKPTS of them. Both
+        are forgotten when the positions they stand on are dropped. Cost: a copy of the state each
+        (the realistic synthetic qwen35: 2.6 MiB)."""
         flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         n = L.llama_state_seq_get_size_ext(self.ptr, 0, flags)
-        if self._ckpt is None or len(self._ckpt) != n:
-            self._ckpt = (ctypes.c_uint8 * n)()
-        got = L.llama_state_seq_get_data_ext(self.ptr, self._ckpt, n, 0, flags)
+        pos = self.pos_max()
+        if prompt:
+            self._prompt_ckpts = [c for c in self._prompt_ckpts if c.pos != pos][-(N_PROMPT_CKPTS - 1):]
+            ck = _Checkpoint(-1, (ctypes.c_uint8 * n)())
+        else:
+            if self._ckpt is None or len(self._ckpt.buf) != n:
+                self._ckpt = _Checkpoint(-1, (ctypes.c_uint8 * n)())
+            ck = self._ckpt
+        got = L.llama_state_seq_get_data_ext(self.ptr, ck.buf, n, 0, flags)
         if got != n:
-            self._ckpt = None
             raise LlamaError(f"llama_state_seq_get_data_ext wrote {got} of {n} bytes")
-        self._ckpt_pos = self.pos_max()
+        ck.pos = pos
+        if prompt:
+            self._prompt_ckpts.append(ck)
 
-    def restore(self) -> None:
-        """Back to the last checkpoint(): its recurrent state, and the attention cells past its
-        position dropped. Decode the tokens after it again to go on (llama-server's replay)."""
-        if self._ckpt is None or self._ckpt_pos < 0:
+    def restore(self, ck: _Checkpoint | None = None) -> None:
+        """Back to a checkpoint (default: the draft checkpoint): its recurrent state, and the
+        attention cells past its position dropped. Decode the tokens after it again to go on
+        (llama-server's replay)."""
+        ck = ck or self._ckpt
+        if ck is None or ck.pos < 0:
             raise LlamaError("no checkpoint to restore")
-        flags, pos = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, self._ckpt_pos
-        got = L.llama_state_seq_set_data_ext(self.ptr, self._ckpt, len(self._ckpt), 0, flags)
-        if got != len(self._ckpt) or not self.seq_rm(pos + 1, -1):
+        flags, pos = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ck.pos
+        got = L.llama_state_seq_set_data_ext(self.ptr, ck.buf, len(ck.buf), 0, flags)
+        if got != len(ck.buf) or not self.seq_rm(pos + 1, -1):
             self.clear()
             raise LlamaError(f"could not restore the checkpoint at position {pos} "
-                             f"(read {got} of {len(self._ckpt)} bytes){_reason()}")
+                             f"(read {got} of {len(ck.buf)} bytes){_reason()}")
 
     def pos_max(self) -> int:
         return int(L.llama_memory_seq_pos_max(self.mem, 0))

@@ -283,6 +283,32 @@ def test_hybrid_draft_model_rolls_back_through_its_checkpoint(mtp_models, temp, 
         assert starts and all(keep <= len(prompt) for keep in starts)
 
 
+@pytest.mark.parametrize("types", [(), ("ngram-simple",)])
+def test_hybrid_prompt_checkpoint_is_reused_and_exact(mtp_models, types):
+    """A hybrid model cannot roll back into a prompt, so its context keeps a checkpoint before each
+    prompt's last token (the last N_PROMPT_CKPTS): the same prompt again evaluates one token, and a
+    prompt that leaves the last reply part-way (a chat template re-rendering it) starts at the
+    checkpoint, not from zero. Tokens and log-probabilities equal a fresh engine's, bit for bit."""
+    from specrun.kernels.llama import N_PROMPT_CKPTS
+
+    path, sp = str(mtp_models["exact"]), spec(types, ngram_size_n=3, ngram_size_m=12)
+    with Engine(path, EngineParams(n_ctx=2048, spec=sp)) as e, Engine(path, EngineParams(n_ctx=2048, spec=sp)) as fresh:
+        a = e.tokenize(HYBRID_PROMPT)
+        first, st1, lp1 = run_lp(e, a, 0.8, 48)
+        again, st2, lp2 = run_lp(e, a, 0.8, 48)
+        assert (again, lp2) == (first, lp1) and st1.n_prompt == len(a) and st2.n_prompt == 1
+        b = np.concatenate([a, np.asarray(first[:20], dtype=np.int32), e.tokenize(" and then the fox", False)])
+        got, st3, lp3 = run_lp(e, b, 0.8, 48)
+        assert st3.n_prompt == len(b) - (len(a) - 1)            # from the first prompt's checkpoint
+        fresh_b = run_lp(fresh, b, 0.8, 48)
+        assert (got, lp3) == fresh_b[::2] and fresh_b[1].n_prompt == len(b)
+        for i in range(N_PROMPT_CKPTS + 2):                      # a bounded number of them
+            b = np.concatenate([b, e.tokenize(f" {i}", False)])      # each turn extends the last
+            run(e, b, 0.0, 1)
+        assert [c.pos for c in e.ctx._prompt_ckpts][-1] == len(b) - 2
+        assert len(e.ctx._prompt_ckpts) == N_PROMPT_CKPTS
+
+
 def test_hybrid_mtp_with_ngrams_keeps_ngram_drafts_within_the_snapshots(mtp_models):
     """With a drafter that reads the target's rows (MTP), a hybrid model takes no checkpoints: every
     draft, n-gram ones too, stays within its snapshots (--spec-draft-n-max), and nothing is restored."""
