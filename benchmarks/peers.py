@@ -90,7 +90,8 @@ class Setting:
     def applies(self, model: str) -> bool:
         if self.models is not None:
             return model in self.models
-        return self.name == "none" or not model.startswith(SYNTHETIC)
+        return (self.name == "none" or not model.startswith(SYNTHETIC)
+                or (self.name in HYBRID_NGRAM and model in MTP_MODELS))
 
 
 SYNTHETIC = "synthetic:"
@@ -116,6 +117,7 @@ WORKLOADS = (
     Workload("mtp-noisy-free", SYNTHETIC + "mtp-noisy", "free.txt", "the same with noise of sigma 0.1 on the MTP head"),
 )
 PEER_SETTINGS = ("none", "ngram-simple", "ngram-simple n3 m16")   # issue 12: auto >= llama-server's best of these
+HYBRID_NGRAM = PEER_SETTINGS[1:]   # also on the synthetic qwen35 (a hybrid model: checkpoints, not snapshots)
 NGRAM = ("--spec-type", "ngram-simple")
 # llama.cpp's other n-gram drafters, each with its defaults (common/common.h: map-k and map-k4v size-n 12,
 # size-m 48, min-hits 1; ngram-mod n-match 24, n-min 48, n-max 64; ngram-cache without lookup files)

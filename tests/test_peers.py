@@ -104,6 +104,8 @@ def test_eagle3_settings_run_on_the_synthetic_pair_only():
     none, ngram = (next(s for s in peers.SETTINGS if s.name == n) for n in ("none", "ngram-simple"))
     assert none.applies(peers.EAGLE3_MODEL) and none.applies("gemma-3-270m")
     assert ngram.applies("gemma-3-270m") and not ngram.applies(peers.EAGLE3_MODEL)
+    assert all(ngram.applies(m) for m in peers.MTP_MODELS)      # the hybrid model's n-gram rows
+    assert not any(s.applies(m) for m in peers.MTP_MODELS for s in peers.SETTINGS if s.name.startswith("ngram-map"))
     assert any(w.model == peers.EAGLE3_MODEL for w in peers.WORKLOADS)
 
 
