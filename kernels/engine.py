@@ -328,7 +328,7 @@ class Engine:
             if limit == 0:
                 st.stop = "n_predict"
                 return
-            if spec.adaptive and drafters and len(self.pass_cost.sums) < 3 and not self.model.recurrent:
+            if spec.adaptive and drafters and len(self.pass_cost.sums) < 3:
                 self._measure_pass_cost(min(max(n_lim) + 1, self.n_max_cap + 1))
             n_past = len(prompt)
             logits = self._prefill(prompt, drafters, opts, st, cancel)
@@ -405,18 +405,23 @@ class Engine:
 
     def _measure_pass_cost(self, max_rows: int) -> None:
         """Time target passes of 1, 2, 4, ... max_rows rows past the KV cache's end, then remove
-        them (as a rejected draft's rows are): what --spec-draft-adaptive needs to know before any
+        them (as a rejected draft's rows are; a hybrid model's through a checkpoint of its state
+        before them): what --spec-draft-adaptive needs to know before any
         draft was long. Once per engine, ~0.6 s on Gemma 3 270M up to 33 rows on 2 threads."""
         n = len(self.kv_tokens)
         rows = sorted({1, *(r for r in (2, 4, 8, 16, 32, 64) if r < max_rows), max_rows})
         if n + max_rows >= self.n_ctx:
             return
+        if self.model.recurrent and n:       # a hybrid model goes back through a checkpoint
+            self.ctx.checkpoint()
         toks = np.zeros(max_rows, dtype=np.int32)
         for r in rows:
             t = time.perf_counter()
             self.ctx.decode(toks[:r], n, "all")
             self.pass_cost.record(r, time.perf_counter() - t)
-            if not self.ctx.seq_rm(n, -1):
+            if self.model.recurrent:
+                self.ctx.restore() if n else self.ctx.clear()
+            elif not self.ctx.seq_rm(n, -1):
                 raise LlamaError(f"could not remove {r} measuring rows at {n}")
         log.info("target pass cost: %s", ", ".join(f"{r} rows {self.pass_cost.at(r) * 1e3:.1f} ms" for r in rows))
 

@@ -623,7 +623,8 @@ class Context:
         n = L.llama_state_seq_get_size_ext(self.ptr, 0, flags)
         pos = self.pos_max()
         if prompt:
-            self._prompt_ckpts = [c for c in self._prompt_ckpts if c.pos != pos][-(N_PROMPT_CKPTS - 1):]
+            self._prompt_ckpts = [c for c in self._prompt_ckpts if c.pos != pos]
+            del self._prompt_ckpts[:max(0, len(self._prompt_ckpts) - (N_PROMPT_CKPTS - 1))]
             ck = _Checkpoint(-1, (ctypes.c_uint8 * n)())
         else:
             if self._ckpt is None or len(self._ckpt.buf) != n:

@@ -309,6 +309,21 @@ def test_hybrid_prompt_checkpoint_is_reused_and_exact(mtp_models, types):
         assert len(e.ctx._prompt_ckpts) == N_PROMPT_CKPTS
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_hybrid_adaptive_length_measures_its_passes_and_stays_plain(mtp_models, cached):
+    """--spec-draft-adaptive times a few target passes before its first generation; a hybrid model
+    takes them back through a checkpoint (or, with nothing cached yet, by clearing), and the text
+    stays plain's."""
+    with Engine(str(mtp_models["exact"]), EngineParams(n_ctx=2048)) as e:
+        prompt = e.tokenize(HYBRID_PROMPT)
+        plain, _ = run(e, prompt, 0.8, 64, spec=spec())
+        if not cached:
+            e.reset()
+        adaptive = spec(("ngram-simple",), ngram_size_n=3, ngram_size_m=12, adaptive=True)
+        got, st = run(e, prompt, 0.8, 64, spec=adaptive)
+        assert got == plain and {1, 2, 4, 8, 13} <= set(e.pass_cost.sums)   # the probe: 1, 2, 4, 8, size-m + 1
+
+
 def test_hybrid_mtp_with_ngrams_keeps_ngram_drafts_within_the_snapshots(mtp_models):
     """With a drafter that reads the target's rows (MTP), a hybrid model takes no checkpoints: every
     draft, n-gram ones too, stays within its snapshots (--spec-draft-n-max), and nothing is restored."""
