@@ -34,7 +34,7 @@ import numpy as np
 from specrun.gguf_spec.errors import SpecrunError
 
 from .constrain import Constraints, VerifyPass
-from .drafters import TargetView, draft_n_max, drafter_key, make_drafter
+from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
 from .draftlen import DraftLength, PassCost
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import EngineParams, SpecParams
@@ -102,9 +102,6 @@ class Generation:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-HIDDEN_TYPES = ("draft-mtp", "draft-eagle3")   # drafters that read the target's rows (Drafter.needs_hidden)
 
 
 def _free_proposals(d: Drafter) -> bool:
@@ -420,7 +417,10 @@ class Engine:
             self.ctx.decode(toks[:r], n, "all")
             self.pass_cost.record(r, time.perf_counter() - t)
             if self.model.recurrent:
-                self.ctx.restore() if n else self.ctx.clear()
+                if n:
+                    self.ctx.restore()
+                else:
+                    self.ctx.clear()
             elif not self.ctx.seq_rm(n, -1):
                 raise LlamaError(f"could not remove {r} measuring rows at {n}")
         log.info("target pass cost: %s", ", ".join(f"{r} rows {self.pass_cost.at(r) * 1e3:.1f} ms" for r in rows))

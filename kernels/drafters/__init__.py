@@ -28,8 +28,12 @@ from .ngram_map import NgramMapK, NgramMapK4V
 from .ngram_mod import NgramMod
 from .ngram_simple import NgramSimple
 
-__all__ = ["DraftEagle3", "DraftMTP", "DraftModel", "NgramCache", "NgramMapK", "NgramMapK4V", "NgramMod", "NgramSimple",
-           "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
+__all__ = ["HIDDEN_TYPES", "DraftEagle3", "DraftMTP", "DraftModel", "NgramCache", "NgramMapK", "NgramMapK4V", "NgramMod",
+           "NgramSimple", "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
+
+# the spec types whose drafters read the target's rows (Drafter.needs_hidden): draft-mtp, draft-eagle3
+HIDDEN_TYPES = frozenset(c.spec_type for c in (DraftEagle3, DraftModel, DraftMTP, NgramCache, NgramMapK, NgramMapK4V,
+                                               NgramMod, NgramSimple) if c.needs_hidden)
 
 
 def draft_n_max(spec_type: str, spec: SpecParams) -> int:
