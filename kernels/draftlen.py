@@ -20,7 +20,9 @@ wasted and k drops; on text that n-grams do not predict the drafter is silent.
     Acceptance a_i: by draft position, P(token i accepted | tokens before it were), decayed by
                DECAY per draft so that it follows the text (a copy starts, a copy ends);
                E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k. Prior: 0.5, and for n-gram drafters 0.9
-               past a copy's first token (a copy that starts right tends to stay right)
+               past a copy's first token (a copy that starts right tends to stay right). A
+               proposal that starts where the last one was right to its end continues that copy:
+               judged, and scored, from the copy's second token on
 """
 
 from __future__ import annotations
@@ -90,14 +92,15 @@ class Acceptance:
     By position, because drafts are not coin flips: an n-gram copy is often wrong at its first
     token (the match was the wrong one) and then right for a long run, so a single rate would
     call a verbatim copy's long drafts a waste. Before any draft, rate 0.5 (PRIOR, which decays
-    like a draft); a position no draft has reached takes the rate of the one before it."""
+    like a draft); a position no draft has reached takes the best rate before it."""
 
     reached: list[float] = field(default_factory=lambda: [float(sum(PRIOR))])   # [i]: drafts that got to token i + 1
     accepted: list[float] = field(default_factory=lambda: [float(PRIOR[0])])    # [i]: ... and had it accepted
 
-    def record(self, n_drafted: int, n_accepted: int) -> None:
-        """One verified (or shadow-scored) draft: its first n_accepted of n_drafted tokens accepted."""
-        grow = n_drafted - len(self.reached)
+    def record(self, n_drafted: int, n_accepted: int, at: int = 0) -> None:
+        """One verified (or shadow-scored) draft: its first n_accepted of n_drafted tokens accepted;
+        at: the position of its first token in its copy (1: it continues a copy that was right)."""
+        grow = at + n_drafted - len(self.reached)
         if grow > 0:
             self.reached += [0.0] * grow
             self.accepted += [0.0] * grow
@@ -105,15 +108,23 @@ class Acceptance:
             self.reached[i] *= DECAY
             self.accepted[i] *= DECAY
         for i in range(min(n_accepted + 1, n_drafted)):
-            self.reached[i] += 1.0
-            self.accepted[i] += i < n_accepted
+            self.reached[at + i] += 1.0
+            self.accepted[at + i] += i < n_accepted
 
     def rates(self, n: int) -> list[float]:
-        """[n] conditional rates; position i > 0 weighs in the rate of position i - 1 as one draft."""
+        """[n] conditional rates; position i > 0 weighs in the rate of position i - 1 as one draft.
+        A position no draft has reached takes the best rate past the first before it (the first's
+        at position 1): a copy right for longer is taken to go on at least as well, so that the one
+        copy seen to end at its 11th token does not make a coin flip of every token past it."""
         out: list[float] = []
+        best = 0.0                     # the best rate past position 0 so far
         for i in range(n):
             r, a = (self.reached[i], self.accepted[i]) if i < len(self.reached) else (0.0, 0.0)
-            out.append(a / r if i == 0 else (a + out[-1]) / (r + 1.0))
+            if i == 0:
+                out.append(a / r)
+                continue
+            out.append((a + out[-1]) / (r + 1.0) if r > 0 else out[0] if i == 1 else best)
+            best = max(best, out[-1])
         return out
 
     @classmethod
@@ -178,6 +189,8 @@ class DraftLength:
     acc: Acceptance = field(default_factory=Acceptance)
     n: int = 0                 # the length to ask for now
     shadow: tuple[int, np.ndarray] | None = None   # pending proposal: (position of its first token, int32 [k])
+    at: int = 0                # the pending proposal's first token's position in its copy (0 or 1)
+    run_end: int = -1          # where the last scored proposal ended if the text matched all of it
 
     @property
     def free(self) -> bool:
@@ -207,21 +220,23 @@ class DraftLength:
         The pending one, right so far for its first j tokens, offers the rest of its copy, judged by
         the rates from position j on (a copy that started right tends to stay right); a proposal
         that continues it is the same copy; one that does not is judged by the rates from the start.
-        The cut with the most expected tokens per second of them all is drafted."""
+        A new pending proposal that starts where the last one was right to its end is judged from
+        a copy's second token (the text is still copying). The cut with the most expected tokens
+        per second of them all is drafted."""
         if self.shadow is None and len(proposal):
-            self.shadow = (pos, proposal)
+            self.shadow, self.at = (pos, proposal), int(pos == self.run_end)
         if self.shadow is None:
             return proposal[:0]
         p0, pend = self.shadow
         j = pos - p0
-        cands = [(0, proposal)]
+        cands = [(self.at if j == 0 else 0, proposal)]
         if 0 < j < len(pend):
             rest = pend[j:]
             m = min(len(proposal), len(rest))
             if m and np.array_equal(proposal[:m], rest[:m]):
-                cands = [(j, proposal if len(proposal) >= len(rest) else rest)]
+                cands = [(self.at + j, proposal if len(proposal) >= len(rest) else rest)]
             else:
-                cands.append((j, rest))
+                cands.append((self.at + j, rest))
         best, out = -1.0, proposal[:0]
         for at, toks in cands:
             a = self.acc.rates(self.cap + at)[at:]
@@ -233,13 +248,14 @@ class DraftLength:
 
     def score(self, ctx_tokens: list[int], cost: PassCost) -> None:
         """Score the pending proposal once the emitted text ctx_tokens decides it (a mismatch, or
-        all of it matched), as a draft of its length."""
+        all of it matched), as a draft of its length from its position in its copy."""
         if self.shadow is not None:
             n_ok, done = score_shadow(self.shadow, ctx_tokens)
             if done:
-                self.acc.record(len(self.shadow[1]), n_ok)
+                p0, toks = self.shadow
+                self.acc.record(len(toks), n_ok, self.at)
                 self.n = self._best(cost)
-                self.shadow = None
+                self.shadow, self.run_end = None, p0 + len(toks) if n_ok == len(toks) else -1
 
 
 def score_shadow(sh: tuple[int, np.ndarray], ctx_tokens: list[int]) -> tuple[int, bool]:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specrun.kernels.draftlen import (
+    DECAY,
     Acceptance,
     DraftLength,
     PassCost,
@@ -91,6 +92,19 @@ def test_acceptance_by_position():
     # one rate for every position, accepted / (accepted + rejections) = 16 / 17, stops short of it
     assert best_length(a, PassCost(), 16) == 16
     assert best_length(16 / 17, PassCost(), 16) < 16
+
+
+def test_a_copy_seen_to_end_once_far_out_does_not_make_a_coin_flip_of_every_token_past_it():
+    """A position no draft has reached takes the best rate before it, not the one right before it:
+    among copies right to their 11th (and last) token, one proposal that ended at its 11th lowers
+    that position, and the positions past it, never reached, stay where the copies were."""
+    acc = Acceptance.of_copies()
+    for _ in range(4):
+        acc.record(11, 11)
+    acc.record(16, 10)                                       # tokens 1-10 right, the 11th wrong
+    a = acc.rates(16)
+    assert a[10] < 0.8 < min(a[:10])
+    assert a[11:] == [max(a[1:10])] * 5 and a[11] > 0.95     # (the one before: a[10], under 0.8)
 
 
 def test_acceptance_follows_the_text():
@@ -180,6 +194,34 @@ def test_a_held_back_copy_that_proves_right_is_drafted_from_where_it_is():
     assert dl.shadow is None
     new = dl.take(np.arange(7, 23, dtype=np.int32), 13, 16, c)   # a new copy: judged from its start
     assert len(new) == dl.n and dl.shadow[0] == 13
+
+
+def test_a_proposal_that_goes_on_from_a_copy_right_to_its_end_is_judged_as_its_continuation():
+    """A copy right to its end (the cap cut it, not a mismatch) and a new proposal where it ended:
+    the text is still copying, so the new one is judged and scored from a copy's second token,
+    not held back as a fresh copy's uncertain first token."""
+    dl, c = DraftLength(8, True, 0), PassCost()
+    for r in (1, 9):
+        c.record(r, 1 + 4 * r / 4)       # a row costs as much as a step: a fresh copy is held back
+    for _ in range(3):
+        dl.acc.record(8, 0)
+    dl.start(c)
+    first = np.arange(100, 108, dtype=np.int32)
+    assert len(dl.take(first, 10, 8, c)) == 0                # a fresh copy: held back
+    ctx = list(range(10))
+    for t in first:                                          # the text copies it to its end
+        ctx.append(int(t))
+        dl.score(ctx, c)
+        if dl.shadow is not None:
+            dl.take(first[len(ctx) - 10:], len(ctx), 8, c)
+    assert dl.shadow is None and dl.run_end == 18
+    reached = list(dl.acc.reached)
+    nxt = np.arange(108, 116, dtype=np.int32)
+    assert len(dl.take(nxt, 18, 8, c)) > 0 and dl.at == 1  # its continuation: drafted
+    dl.score([*ctx, *range(108, 112), 0], c)                 # right for 4, then wrong
+    assert dl.acc.reached[0] == pytest.approx(reached[0] * DECAY)   # scored from token 2 on
+    assert dl.acc.reached[1] == pytest.approx(reached[1] * DECAY + 1) and dl.run_end == -1
+    assert len(dl.take(nxt, 23, 8, c)) == 0 and dl.at == 0  # a fresh copy again
 
 
 # ---- in the engine ---------------------------------------------------------------------------
