@@ -238,8 +238,8 @@ class DraftLength:
             else:
                 cands.append((self.at + j, rest))
         best, out = -1.0, proposal[:0]
-        for at, toks in cands:
-            a = self.acc.rates(self.cap + at)[at:]
+        for off, toks in cands:
+            a = self.acc.rates(self.cap + off)[off:]
             k = best_length(a, cost, min(len(toks), limit, self.cap), 0)
             v = expected_tokens(a, k) / cost.at(k + 1)
             if v > best:

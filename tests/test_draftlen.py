@@ -202,7 +202,7 @@ def test_a_proposal_that_goes_on_from_a_copy_right_to_its_end_is_judged_as_its_c
     not held back as a fresh copy's uncertain first token."""
     dl, c = DraftLength(8, True, 0), PassCost()
     for r in (1, 9):
-        c.record(r, 1 + 4 * r / 4)       # a row costs as much as a step: a fresh copy is held back
+        c.record(r, 1 + r)               # t(r) = 1 + r, rows dear: a fresh copy is held back
     for _ in range(3):
         dl.acc.record(8, 0)
     dl.start(c)
