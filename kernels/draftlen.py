@@ -14,7 +14,8 @@ a_i -> 1 and the longest draft pays; on a partial one the rows past the likely r
 wasted and k drops; on text that n-grams do not predict the drafter is silent.
 
     PassCost   t(r): seconds of a target pass of r rows, learned from the engine's own passes
-               (a running mean per r, linear between them; before any data the line 1 + r / 4).
+               (a running mean per r, linear between them; before any data the line 1 + r / 4),
+               times a level that every pass moves (the context grows, the machine drifts).
                The engine measures a few pass sizes once before its first adaptive generation,
                since passes of the lengths it is not choosing would never be seen otherwise
     Acceptance a_i: by draft position, P(token i accepted | tokens before it were), decayed by
@@ -38,21 +39,39 @@ from .types import common_prefix
 DECAY = 0.8          # weight of the past per draft in the acceptance estimate
 PRIOR = (1.0, 1.0)   # (accepted, rejected): a = 0.5 before the first draft
 PRIOR_COPY = (4.0, 0.0)   # free (n-gram) drafters, past a copy's first token: rate 0.9 with PRIOR's first
+LEVEL_W = 0.5        # weight of one pass in PassCost's level (its noise moves every t(r) alike)
+SHAPE_W = 1 / 16     # ... and in its shape, base(r)
 
 
 @dataclass(slots=True)
 class PassCost:
-    """t(r) from observed target passes. record() after each pass; at(r) any time."""
+    """t(r) from observed target passes, as a shape times a level: t(r) = scale * base(r).
+    record() after each pass; at(r) any time.
 
-    sums: dict[int, list[float]] = field(default_factory=dict)   # r -> [n, mean seconds]
+    The level follows what a pass costs now, the shape how the rows add up, more slowly. A pass
+    of a row count seen before moves the level (scale) by LEVEL_W of the way to seconds /
+    base(rows), then base(rows) by SHAPE_W of the way to seconds / scale; a count's first pass
+    sets its base(rows). So the plain steps at a longer context raise the whole curve, not t(1)
+    alone: a curve probed near position 0 and read at a 2,300-token context (where a SmolLM2 row
+    costs 2.5x what it did, and 17 rows still about 10x one) would otherwise set a stale t(17)
+    against a fresh t(1) and call long drafts cheap. A draft's length depends on the shape only
+    (E(k) / t(k + 1) is compared across k at one level)."""
+
+    sums: dict[int, list[float]] = field(default_factory=dict)   # r -> [passes (at most 32), base(r) seconds]
+    scale: float = 1.0
 
     def record(self, rows: int, seconds: float) -> None:
-        n, mean = self.sums.get(rows, (0, 0.0))
-        n = min(n + 1, 32)                       # a running mean that keeps following the machine
-        self.sums[rows] = [n, mean + (seconds - mean) / n]
+        seen = self.sums.get(rows)
+        if seen is None:
+            self.sums[rows] = [1, seconds / self.scale]
+            return
+        if len(self.sums) >= 2:
+            self.scale += LEVEL_W * (seconds / max(seen[1], 1e-12) - self.scale)
+        seen[0] = min(seen[0] + 1, 32)
+        seen[1] += SHAPE_W * (seconds / self.scale - seen[1])
 
     def line(self) -> tuple[float, float]:
-        """(c0, c1) of t(r) = c0 + c1 * r, least squares over the per-r means (one point:
+        """(c0, c1) of base(r) = c0 + c1 * r, least squares over the per-r means (one point:
         through it with the prior's slope ratio)."""
         pts = [(r, m) for r, (_, m) in self.sums.items()]
         if not pts:
@@ -68,20 +87,21 @@ class PassCost:
         return max(mt - c1 * mr, 1e-9), c1
 
     def at(self, rows: int) -> float:
-        """t(rows): linear between the per-r means around it (a CPU's verify curve is concave: a
-        line through few short passes would call every long draft dear), the least-squares slope
-        past the longest pass seen, the shortest's time below it; the line alone before two."""
+        """t(rows): scale times base(rows), linear between the per-r means around it (a CPU's verify
+        curve is concave: a line through few short passes would call every long draft dear), the
+        least-squares slope past the longest pass seen, the shortest's time below it; the line
+        alone before two."""
         pts = sorted((r, m) for r, (_, m) in self.sums.items())
         if len(pts) < 2:
             c0, c1 = self.line()
-            return c0 + c1 * rows
+            return self.scale * (c0 + c1 * rows)
         if rows <= pts[0][0]:
-            return pts[0][1]
+            return self.scale * pts[0][1]
         if rows >= pts[-1][0]:
-            return pts[-1][1] + self.line()[1] * (rows - pts[-1][0])
+            return self.scale * (pts[-1][1] + self.line()[1] * (rows - pts[-1][0]))
         i = bisect_left(pts, (rows, -1.0))
         (r0, t0), (r1, t1) = pts[i - 1], pts[i]
-        return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        return self.scale * (t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
 
 
 @dataclass(slots=True)

@@ -42,6 +42,31 @@ def test_pass_cost_line_and_prior():
     assert flat.line() == pytest.approx((0.75, 0.0))
 
 
+def test_pass_cost_plain_steps_at_a_longer_context_raise_the_whole_curve():
+    # SmolLM2 in exact mode: the probe near position 0, then plain steps at a 2,300-token context
+    c = PassCost()
+    for r, ms in ((1, 10.0), (2, 19.0), (4, 28.0), (8, 47.0), (16, 90.0), (17, 95.0)):
+        c.record(r, ms / 1e3)
+    assert c.scale == 1.0 and c.at(17) == pytest.approx(0.095)     # each count once: no level yet
+    for _ in range(40):
+        c.record(1, 0.025)
+    assert c.at(1) == pytest.approx(0.025, rel=0.01)
+    assert c.at(17) / c.at(1) > 8.5               # the probe's shape (9.5), not 95 ms / 25 ms
+    assert c.at(2) / c.at(1) > 1.8
+    # a copy whose first token is a coin flip and then right at 0.9: E(16) = 5.07 tokens for
+    # 17 rows, at 9.1 times a row's cost here: held back. A fresh t(1) (25 ms) against the probe's
+    # stale t(4) (28 ms) would have drafted 3 (E(3) = 2.36 tokens for 28 ms)
+    a = [0.5] + [0.9] * 15
+    assert best_length(a, c, 16, k_min=0) == 0
+    stale = PassCost({r: [1, ms / 1e3] for r, ms in ((1, 25.0), (2, 19.0), (4, 28.0), (8, 47.0), (16, 90.0),
+                                                     (17, 95.0))})
+    assert best_length(a, stale, 16, k_min=0) == 3
+    # a pass of a count seen before moves the level half way to its ratio, and its base by 1/16
+    t1, t17, base17 = c.at(1), c.at(17), c.sums[17][1]
+    c.record(17, 2 * t17)
+    assert c.at(1) == pytest.approx(1.5 * t1) and c.sums[17][1] == pytest.approx(base17 * (1 + 1 / 48))
+
+
 @pytest.mark.parametrize(("a", "c0", "c1", "cap", "want"), [
     (1.0, 1.0, 0.25, 16, 16),     # a verbatim copy: the longest draft pays
     (0.999, 1.0, 0.25, 62, 62),
