@@ -182,8 +182,9 @@ class Engine:
         now. A hybrid model's context is made again (its cached prompt dropped) when the new types
         roll back another number of tokens (_rollback)."""
         drafters = self.drafters_for(spec)      # a spec that cannot run changes nothing
-        if self.model.recurrent and self._rollback(spec) != self.ctx.params.n_rs_seq:
-            self._remake_ctx(self._rollback(spec))
+        need = self._rollback(spec) if self.model.recurrent else self.ctx.params.n_rs_seq
+        if need != self.ctx.params.n_rs_seq:
+            self._remake_ctx(need)
             drafters = self.drafters_for(spec)
         self.drafters = drafters
         self.params = replace(self.params, spec=spec)
@@ -275,14 +276,15 @@ class Engine:
                                "raise -c or shorten the prompt")
         spec = spec or self.params.spec
         explicit = drafters is not None
-        if self.model.recurrent and self._rollback(spec, drafters or ()) > self.ctx.params.n_rs_seq:
+        need = self._rollback(spec, drafters or ()) if self.model.recurrent else 0
+        if need > self.ctx.params.n_rs_seq:
             # a longer draft than the context can roll back (a request's own spec types): make it
             # again, deeper, once; drafters that read the old context cannot follow
             if explicit and any(d.needs_hidden for d in drafters):
-                raise SpecrunError(f"these drafters need {self._rollback(spec, drafters)} tokens of rollback and "
+                raise SpecrunError(f"these drafters need {need} tokens of rollback and "
                                    f"the target context keeps {self.ctx.params.n_rs_seq}; build the engine with "
                                    "their spec types")
-            self._remake_ctx(self._rollback(spec, drafters or ()))
+            self._remake_ctx(need)
             self.drafters = self.drafters_for(self.params.spec)
         if drafters is None:
             drafters = self.drafters if spec is self.params.spec else self.drafters_for(spec)
