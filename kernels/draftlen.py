@@ -91,17 +91,20 @@ class PassCost:
         curve is concave: a line through few short passes would call every long draft dear), the
         least-squares slope past the longest pass seen, the shortest's time below it; the line
         alone before two."""
+        return self.scale * self._base(rows)
+
+    def _base(self, rows: int) -> float:
         pts = sorted((r, m) for r, (_, m) in self.sums.items())
         if len(pts) < 2:
             c0, c1 = self.line()
-            return self.scale * (c0 + c1 * rows)
+            return c0 + c1 * rows
         if rows <= pts[0][0]:
-            return self.scale * pts[0][1]
+            return pts[0][1]
         if rows >= pts[-1][0]:
-            return self.scale * (pts[-1][1] + self.line()[1] * (rows - pts[-1][0]))
+            return pts[-1][1] + self.line()[1] * (rows - pts[-1][0])
         i = bisect_left(pts, (rows, -1.0))
         (r0, t0), (r1, t1) = pts[i - 1], pts[i]
-        return self.scale * (t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
+        return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
 
 @dataclass(slots=True)

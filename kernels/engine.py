@@ -182,8 +182,7 @@ class Engine:
         now. A hybrid model's context is made again (its cached prompt dropped) when the new types
         roll back another number of tokens (_rollback)."""
         drafters = self.drafters_for(spec)      # a spec that cannot run changes nothing
-        need = self._rollback(spec) if self.model.recurrent else self.ctx.params.n_rs_seq
-        if need != self.ctx.params.n_rs_seq:
+        if self.model.recurrent and (need := self._rollback(spec)) != self.ctx.params.n_rs_seq:
             self._remake_ctx(need)
             drafters = self.drafters_for(spec)
         self.drafters = drafters
