@@ -349,25 +349,51 @@ def run(args) -> dict:
         mine = [w for w in workloads if w.model == model]
         for setting in (s for s in settings if s.applies(model)):
             here = [s for s in systems if s in setting.systems]
-            for group in ([[s] for s in here] if args.one_at_a_time else [here]):
-                kept, done = measure_group(model, path, setting, group, mine, texts, args)
+            partners = auto_partners(requests, mine) if setting.name == "auto" and "llama-server" in systems \
+                and not args.one_at_a_time else {}
+            for best, ws in partners.items():   # auto beside llama-server's best of each workload, in one block
+                kept, done = measure_group(model, path, setting, ["specrun", "llama-server"], ws, texts, args,
+                                           partner=next(x for x in SETTINGS if x.name == best))
+                requests += kept
+                servers += done
+            rest = [w for w in mine if not any(w in ws for ws in partners.values())]
+            for group in ([[s] for s in here] if args.one_at_a_time else [here]) if rest else []:
+                kept, done = measure_group(model, path, setting, group, rest, texts, args)
                 requests += kept
                 servers += done
     return {"meta": info, "servers": servers, "requests": requests}
 
 
+def auto_partners(requests: list[dict], mine: list[Workload]) -> dict[str, list[Workload]]:
+    """{llama-server's fastest setting of PEER_SETTINGS so far in this run: the workloads of `mine`
+    where it is}: whom `auto` runs beside, so that the verdict is measured within one block (a VM's
+    speed drifts by tens of percent between blocks)."""
+    rows = summarize([r for r in requests if r["system"] == "llama-server" and r["setting"] in PEER_SETTINGS])
+    by = {(r["workload"], r["setting"], r["system"]): r for r in rows}
+    out: dict[str, list[Workload]] = {}
+    for w in mine:
+        b = best_peer(by, w.name)
+        if b:
+            out.setdefault(b["setting"], []).append(w)
+    return out
+
+
 def measure_group(model: str, path: str, setting: Setting, group: list[str], mine: list[Workload],
-                  texts: dict, args) -> tuple[list[dict], list[dict]]:
+                  texts: dict, args, partner: Setting | None = None) -> tuple[list[dict], list[dict]]:
     """The servers of `group` up at once (idle but for the request measured), then the warm-up and
     --reps rounds; in each round every workload goes to each server in turn, and who goes first
     alternates round by round, so a drift in the machine's speed meets both systems alike. A server
-    that fails keeps no numbers; the others go on. Returns (kept requests, one record per server)."""
-    cmds = {s: server_command(s, model, path, setting, free_port(), args) for s in group}
-    logs = {s: LOGS / f"{s}-{model}-{setting.name.replace(' ', '_')}.log" for s in group}
+    that fails keeps no numbers; the others go on. partner: llama-server's setting in this block when
+    it is not `setting` (`auto`'s block: llama-server's best; its rows keep `setting`'s name and say
+    `partner`). Returns (kept requests, one record per server)."""
+    own = {s: partner if partner and s == "llama-server" else setting for s in group}
+    cmds = {s: server_command(s, model, path, own[s], free_port(), args) for s in group}
+    logs = {s: LOGS / f"{s}-{model}-{setting.name.replace(' ', '_')}"
+                      f"{'-' + partner.name.replace(' ', '_') if partner else ''}.log" for s in group}
     busy = wait_quiet(args.max_busy, args.wait_quiet)
     load = os.getloadavg()[0]
-    print(f"[peers] {model} / {setting.name} / {' + '.join(group)} (others busy {busy:.0%}, load {load:.2f})",
-          file=sys.stderr, flush=True)
+    print(f"[peers] {model} / {setting.name}{f' beside llama-server {partner.name}' if partner else ''} / "
+          f"{' + '.join(group)} (others busy {busy:.0%}, load {load:.2f})", file=sys.stderr, flush=True)
     kept: dict[str, list[dict]] = {s: [] for s in group}
     errors: dict[str, str | None] = {s: None for s in group}
 
@@ -395,11 +421,12 @@ def measure_group(model: str, path: str, setting: Setting, group: list[str], min
                         continue
                     if rep >= 0:
                         kept[s].append({"model": model, "workload": w.name, "setting": setting.name,
-                                        "system": s, "rep": rep, **r})
+                                        "system": s, "rep": rep, **r,
+                                        **({"partner": own[s].name} if own[s] is not setting else {})})
     done = []
     for s in group:
         auto = re.findall(r"spec auto: .*", logs[s].read_text(errors="replace")) if logs[s].is_file() else []
-        done.append({"model": model, "setting": setting.name, "system": s, "command": cmds[s],
+        done.append({"model": model, "setting": own[s].name, "system": s, "command": cmds[s],
                      "load_avg_1m": load, "busy_before": busy, "auto": auto[-1] if auto else None,
                      "error": errors[s]})
     return [r for s in group for r in kept[s]], done
@@ -451,7 +478,7 @@ def summarize(requests: list[dict]) -> list[dict]:
                      "equal_none": all(r["text"] == none[0]["text"] for r in rs) if none else None,
                      "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
                      "tokens_per_pass": predicted / (predicted - accepted) if predicted > accepted else None,
-                     "spec": rs[0].get("spec"), "text": rs[0]["text"]})
+                     "spec": rs[0].get("spec"), "text": rs[0]["text"], "partner": rs[0].get("partner")})
     return rows
 
 
@@ -537,9 +564,10 @@ def markdown(data: dict) -> str:
             label = s
             if s == "auto" and a:
                 label = f"auto → {chosen(autos.get(m['workloads'][w]['model']), a['spec'])}"
-                b = best_peer(by, w)
+                b = by.get((w, "auto", "llama-server")) or best_peer(by, w)
                 if b:
-                    label += f" (llama-server: its best, {b['setting']})"
+                    label += (f" (llama-server beside it: its best, {b['partner']})" if b.get("partner")
+                              else f" (llama-server: its best, {b['setting']})")
                     verdicts.append((w, a["gen_tps"] >= b["gen_tps"], a["equal_none"]))
             cells = [w, label]
             for r in (a, b):

@@ -72,6 +72,23 @@ def test_markdown_rows():
     assert "identical between specrun and llama-server: 1 of 1 workloads." in md
 
 
+def test_auto_runs_beside_llama_servers_best_and_is_judged_against_that_block():
+    """auto's verdict comes from its own block (llama-server's best measured beside it), not from
+    llama-server's row of an earlier block: there ngram-simple read 150 tok/s, beside auto 90."""
+    run = fake_run()
+    other = peers.Workload("other", "gemma-3-270m", "free.txt", "free")
+    others = [req("llama-server", "none", rep, 70, 900, workload="other") for rep in range(3)]
+    groups = peers.auto_partners(run["requests"] + others, [peers.WORKLOADS[1], other])
+    assert {k: [w.name for w in ws] for k, ws in groups.items()} == {"ngram-simple": ["code-rewrite"], "none": ["other"]}
+    run["requests"] += [{**req("llama-server", "auto", rep, 90, 800), "partner": "ngram-simple"} for rep in range(3)]
+    md = peers.markdown(run)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| code-rewrite | auto"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1] == "auto → ngram-simple size-n 3 size-m 16 (llama-server beside it: its best, ngram-simple)"
+    assert cells[5] == "90.0 (90–90)" and cells[8] == "1.03"
+    assert "`auto` ≥ llama-server's best of {none, ngram-simple, ngram-simple n3 m16}: 1 of 1 workloads;" in md
+
+
 def test_readme_block_is_replaced_and_required():
     text = f"# t\n\nbefore\n{peers.BEGIN}\nold table\n{peers.END}\nafter\n"
     new = peers.replace_block(text, "| new |\n")
