@@ -357,7 +357,9 @@ def run(args) -> dict:
                 requests += kept
                 servers += done
             rest = [w for w in mine if not any(w in ws for ws in partners.values())]
-            for group in ([[s] for s in here] if args.one_at_a_time else [here]) if rest else []:
+            if not rest:
+                continue
+            for group in ([[s] for s in here] if args.one_at_a_time else [here]):
                 kept, done = measure_group(model, path, setting, group, rest, texts, args)
                 requests += kept
                 servers += done
