@@ -150,7 +150,8 @@ class Engine:
                          and params.placement is None   # over RPC the state copy would cross the network
                          and "draft-eagle3" not in spec.types   # EAGLE-3 reads every position's rows too
                          and not self.model.recurrent else None)
-            self._restored = 0   # fast_len of the state the exact context was loaded from; 0: none
+            self._restored = 0   # the prompt length the exact context was loaded with by a hand-over; 0: none
+            self._prompt_logits: np.ndarray | None = None   # float32 [n_vocab]: that prompt's last logits
             self.pass_cost = PassCost()   # t(rows) of this engine's target passes (adaptive draft length)
             self.target = TargetView(self.model, self.ctx, self.n_ctx, self.ctx.n_batch, params.n_threads,
                                      params.exact, self.fast is not None)
@@ -213,7 +214,7 @@ class Engine:
         self.ctx = None
         self.ctx = Context(self.model, params)
         self.kv_tokens = []
-        self._restored = 0
+        self._restored, self._prompt_logits = 0, None
         self.pass_cost = PassCost()
         self.target = replace(self.target, ctx=self.ctx)
         log.info("target context made again with %d recurrent-state snapshots (rollback depth)", n_rs_seq)
@@ -242,7 +243,7 @@ class Engine:
         """Forget every cached prompt (the fast prompt context's blocks too); memory stays allocated."""
         self.ctx.clear()
         self.kv_tokens = []
-        self._restored = 0
+        self._restored, self._prompt_logits = 0, None
         if self.fast is not None:
             self.fast.forget()
 
@@ -505,9 +506,10 @@ class Engine:
         next decode); None when cancel() stopped it between two chunks (the chunks evaluated stay
         in the cache, ready for a retry).
 
-        With the fast prompt context, positions [0, fast_len(n)) come from it (kernels/prefill.py)
-        and the rest is evaluated here; the cache is reused only where it was computed the way a
-        fresh evaluation of this prompt computes it, so the result never depends on the history."""
+        With the fast prompt context (prompts of MIN_PROMPT tokens or more), all of the prompt and
+        its last logits come from it (kernels/prefill.py), and nothing is evaluated here; the cache
+        is reused only where it was computed the way a fresh evaluation of this prompt computes it,
+        so the result never depends on the history."""
         n = len(prompt)
         if self.ctx.pos_max() + 1 != len(self.kv_tokens):
             # an interrupt between a decode and its bookkeeping: trust nothing, start over
@@ -515,30 +517,38 @@ class Engine:
                      len(self.kv_tokens))
             self.reset()
         fast = fast_len(n) if self.fast is not None else 0
-        keep = min(common_prefix(self.kv_tokens, prompt), n - 1)
-        if self._restored != fast:         # positions computed another way than a fresh run would
-            keep = min(keep, fast)
+        held = common_prefix(self.kv_tokens, prompt)
+        keep = min(held, n - 1)
+        if self._restored and not fast:
+            keep = 0                        # positions computed another way than a fresh run would
         for d in drafters:
             keep = min(keep, d.begin(prompt, keep, opts))
         st.n_prompt = n - keep
-        start = keep
-        if fast and (self._restored != fast or keep < fast):
-            # never roll a loaded state back below its last position (sliding-window layers keep only
-            # the window below it): load it again
-            if not self._hand_over(prompt[:fast], cancel, st):
+        if fast:
+            # this very prompt handed over before (its logits kept), or a hand-over now; never
+            # roll a loaded state back below its last position (sliding-window layers keep only
+            # the window below it)
+            if self._restored == n == held and self._prompt_logits is not None:
+                self.ctx.keep_prefix(n, len(self.kv_tokens))
+                del self.kv_tokens[n:]
+                st.n_prompt = 0
+            elif not self._hand_over(prompt, fast, cancel, st):
                 return None
-            st.n_prompt = st.n_prompt_fast + n - fast
-            for s in range(keep, fast, self.ctx.n_ubatch):   # the drafters follow without target rows
-                chunk = prompt[s:min(s + self.ctx.n_ubatch, fast)]
+            else:
+                st.n_prompt = st.n_prompt_fast
+            start = len(self.kv_tokens)     # n, or fast_len when the hand-over failed for good
+            for s in range(keep, start, self.ctx.n_ubatch):   # the drafters follow without target rows
+                chunk = prompt[s:min(s + self.ctx.n_ubatch, start)]
                 for d in drafters:
                     d.accept(TargetPass(chunk, s, len(chunk), None))
-            start = fast
+            if self._prompt_logits is not None:
+                return self._prompt_logits
+            st.n_prompt = n
         else:
             start = keep = self.ctx.keep_prefix(keep, len(self.kv_tokens))
             st.n_prompt = n - keep      # a hybrid model may have gone back further (a checkpoint, or 0)
-            if keep < self._restored:
-                self._restored = 0
             self.kv_tokens = prompt[:keep].tolist()
+        self._restored, self._prompt_logits = 0, None
 
         def on_chunk(chunk: np.ndarray, pos0: int) -> bool:
             tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk))
@@ -559,14 +569,15 @@ class Engine:
             return None
         return self.ctx.logits_rows()[-1]
 
-    def _hand_over(self, head: np.ndarray, cancel: Callable[[], bool], st: GenStats) -> bool:
-        """Load the exact context with the fast context's state for head (whole blocks). False when
-        cancel() stopped it. A model whose state cannot be handed over turns the fast path off for
-        good (one log line) and the head is evaluated here like the rest."""
+    def _hand_over(self, prompt: np.ndarray, fast: int, cancel: Callable[[], bool], st: GenStats) -> bool:
+        """Load the exact context with the fast context's state for the whole prompt (fast_len
+        tokens in blocks, then the tail) and keep its last logits. False when cancel() stopped it.
+        A model whose state cannot be handed over turns the fast path off for good (one log line)
+        and the head is evaluated here like the rest."""
         self.ctx.clear()
-        self.kv_tokens, self._restored = [], 0
+        self.kv_tokens, self._restored, self._prompt_logits = [], 0, None
         try:
-            state = self.fast.state(head, cancel)
+            state = self.fast.state(prompt[:fast], cancel, prompt[fast:])
             if state is None:
                 return False
             self.ctx.state_set(state)
@@ -574,10 +585,10 @@ class Engine:
             log.warning("fast prompt evaluation is off for this model: %s", e)
             self.fast.close()
             self.fast = None
-            self.ctx.decode_chunks(head, 0, chunk=self.ctx.n_ubatch)
-            self.kv_tokens = head.tolist()
+            self.ctx.decode_chunks(prompt[:fast], 0, chunk=self.ctx.n_ubatch)
+            self.kv_tokens = prompt[:fast].tolist()
             return True
-        self.kv_tokens, self._restored = head.tolist(), len(head)
+        self.kv_tokens, self._restored, self._prompt_logits = prompt.tolist(), len(prompt), self.fast.logits
         st.n_prompt_fast, st.fast_kv_mib, st.fast_weights_mib = (self.fast.n_evaluated, self.fast.kv_mib,
                                                                   self.fast.weights_mib)
         return True

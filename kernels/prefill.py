@@ -8,21 +8,22 @@ kernel on many-row batches (about twice as fast over 1,500 tokens on this CPU), 
 weights run llama.cpp's gemm kernels (Q4_0, Q4_K, IQ4_NL on x86). So a second context, over the
 same file loaded again with repacked weights (Model.repacked(): shared by every engine over that
 model, its memory is the repacked copy, repacked_mib; the rest maps the same file pages) and with
-an F16 cache, evaluates all of a long prompt but its last < 64 tokens; its sequence state's K rows
-are re-encoded to Q8_0 (kernels/kvstate.py) and it is loaded into the exact context, which
-evaluates the rest of the prompt and everything after it. A file with nothing to repack on this
+an F16 cache, evaluates all of a long prompt; its sequence state's K rows are re-encoded to Q8_0
+(kernels/kvstate.py) and it is loaded into the exact context, which evaluates everything after
+the prompt. The prompt's last token's logits, which start the generation, come from the fast
+context too. A file with nothing to repack on this
 CPU, or a second load that fails (one warning), keeps the exact model's weights for it.
 
 Two rules keep every result a function of the tokens alone, never of what the caches held before
 (so that the answer to a prompt is the same fresh, after a chat turn, or on a server slot that
 served another request):
-- the fast context evaluates exactly positions [0, fast_len(n)) as the blocks fast_blocks(n):
-  512 tokens each, then at most one each of 256, 128 and 64, each aligned at a multiple of its size
+- the fast context evaluates positions [0, fast_len(n)) as the blocks fast_blocks(n): 512
+  tokens each, then at most one each of 256, 128 and 64, each aligned at a multiple of its size
   and evaluated by one llama_decode (a batch's rows are computed alike only in a batch of the
-  same shape), never the prompt's last token;
+  same shape), then the prompt's last 1..64 tokens (its tail) in one more llama_decode;
 - it reuses only leading blocks it evaluated itself, with the same bounds, for the same tokens,
-  and the exact context reuses its cache only when it was loaded from the same fast_len
-  (Engine._prefill).
+  never a tail, and the exact context reuses its cache only when it was loaded with this very
+  prompt, whose last logits it kept (Engine._prefill).
 Speculative and plain decoding share this path, so speculative output still equals plain output
 token for token; what the fast rows change is the prompt's KV (repacked matmuls, F16 attention,
 K re-quantized), about as much as a different KV cache type does.
@@ -47,9 +48,9 @@ MIN_PROMPT = 513     # shorter prompts stay on the exact path (the hand-over's f
 
 
 def fast_len(n_prompt: int) -> int:
-    """The prompt positions [0, fast_len) the fast context evaluates: all but the last
-    1..MIN_BLOCK tokens (the last one's logits start the generation), rounded down to a multiple
-    of MIN_BLOCK. 0 for prompts under MIN_PROMPT tokens."""
+    """The prompt positions [0, fast_len) the fast context evaluates in aligned blocks: all but
+    the last 1..MIN_BLOCK tokens (the tail, one decode of its own), rounded down to a multiple of
+    MIN_BLOCK. 0 for prompts under MIN_PROMPT tokens."""
     return (n_prompt - 1) // MIN_BLOCK * MIN_BLOCK if n_prompt >= MIN_PROMPT else 0
 
 
@@ -72,7 +73,8 @@ class FastPrefill:
     first use and sized to the longest head asked for so far (in steps of 2x, at most n_ctx_max), so
     that its memory follows the prompts actually given: kv_mib, plus the twin's weights_mib.
 
-    state(head) -> the exact context's state for the prompt head (len a multiple of MIN_BLOCK).
+    state(head, cancel, tail) -> the exact context's state for head + tail (len(head) a multiple
+    of MIN_BLOCK), and in self.logits the logits of tail's last token.
     """
 
     def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int]) -> None:
@@ -81,7 +83,9 @@ class FastPrefill:
         self.weights: Model | None = None    # the model its context runs: model.repacked(), or model
         self.tokens: list[int] = []          # the tokens whose blocks the fast context holds
         self.blocks: list[tuple[int, int]] = []   # their (start, size), as fast_blocks made them
+        self.n_tail = 0                      # tokens after them in the context (the last tail; never reused)
         self.n_evaluated = 0                 # tokens the last state() call evaluated (not reused)
+        self.logits: np.ndarray | None = None    # float32 [n_vocab]: the last tail's last row (a copy)
 
     @property
     def kv_mib(self) -> float:
@@ -105,21 +109,25 @@ class FastPrefill:
         """Drop the blocks held (the context stays allocated)."""
         if self.ctx is not None:
             self.ctx.clear()
-        self.tokens, self.blocks = [], []
+        self.tokens, self.blocks, self.n_tail, self.logits = [], [], 0, None
 
     def close(self) -> None:
         if self.ctx is not None:
             self.ctx.close()
-        self.ctx, self.tokens, self.blocks = None, [], []
+        self.ctx, self.tokens, self.blocks, self.n_tail, self.logits = None, [], [], 0, None
 
-    def state(self, head: np.ndarray, cancel: Callable[[], bool]) -> bytes | None:
+    def state(self, head: np.ndarray, cancel: Callable[[], bool], tail: np.ndarray | None = None) -> bytes | None:
         """Evaluate head (int32 [fast_len]) as fast_blocks(len(head)), reusing the leading blocks
-        already held with the same bounds and tokens, and return seq 0's state re-encoded for the
-        exact context (K rows in Q8_0). None when cancel() returned True between two blocks (the
-        blocks done are kept). Raises KVStateError / LlamaError when the hand-over cannot work for this model."""
-        assert len(head) % MIN_BLOCK == 0 and len(head) < self.n_ctx_max, len(head)
-        if self.ctx is None or self.ctx.n_ctx < len(head):
-            n_ctx = min(max(len(head), 2 * self.ctx.n_ctx if self.ctx else 0), self.n_ctx_max)
+        already held with the same bounds and tokens, then tail (int32 [1..MIN_BLOCK], the
+        prompt's last tokens; its last row's logits go to self.logits), and return seq 0's state
+        re-encoded for the exact context (K rows in Q8_0). None when cancel() returned True between
+        two decodes (the blocks done are kept). Raises KVStateError / LlamaError when the hand-over
+        cannot work for this model."""
+        n_tail = 0 if tail is None else len(tail)
+        need = len(head) + n_tail
+        assert len(head) % MIN_BLOCK == 0 and n_tail <= MIN_BLOCK and need < self.n_ctx_max, (len(head), n_tail)
+        if self.ctx is None or self.ctx.n_ctx < need:
+            n_ctx = min(max(need, 2 * self.ctx.n_ctx if self.ctx else 0), self.n_ctx_max)
             self.close()
             self.ctx = Context(self._weights(), ContextParams(n_ctx=n_ctx, n_batch=BLOCK, n_ubatch=BLOCK,
                                                          n_threads=self.n_threads, kv_f16=True))
@@ -130,17 +138,23 @@ class FastPrefill:
                and sum(blocks[n_keep]) <= same):
             n_keep += 1
         keep = blocks[n_keep - 1][0] + blocks[n_keep - 1][1] if n_keep else 0
-        if keep < len(self.tokens):
+        if keep < len(self.tokens) + self.n_tail:
             if not self.ctx.seq_rm(keep, -1):
                 self.ctx.clear()
                 keep, n_keep = 0, 0
             del self.tokens[keep:]
         del self.blocks[n_keep:]
-        self.n_evaluated = len(head) - keep
-        for i, (s, size) in enumerate(blocks[n_keep:], n_keep):
+        self.n_tail, self.logits = 0, None
+        self.n_evaluated = need - keep
+        for s, size in blocks[n_keep:]:
+            if s > keep and cancel():
+                return None
             self.ctx.decode(head[s:s + size], s, "none")
             self.tokens.extend(head[s:s + size].tolist())
             self.blocks.append((s, size))
-            if i + 1 < len(blocks) and cancel():
+        if n_tail:
+            if len(head) > keep and cancel():
                 return None
+            self.ctx.decode(tail, len(head), "last")
+            self.n_tail, self.logits = n_tail, self.ctx.logits_rows()[-1].copy()
         return quantize_k(self.ctx.state_get(), self.rot)

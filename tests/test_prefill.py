@@ -165,7 +165,7 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     fast.reset()
     fast.fast.close()
     _, _, st = _run(fast, P["two_blocks"], 4)
-    assert (st.n_prompt_fast, st.n_prompt) == (1088, 1100) and st.fast_kv_mib > 0
+    assert (st.n_prompt_fast, st.n_prompt) == (1100, 1100) and st.fast_kv_mib > 0   # its tail too
     assert "through the fast prompt context" in st.lines()[0]
     # over the model's repacked twin, shared by every engine over that model (server slots)
     # (the model itself when nothing in the file is repacked on this CPU: SmolLM2's Q4_1 on x86)
@@ -195,7 +195,16 @@ def test_result_depends_on_the_tokens_only(engines):
     prompt = P["two_blocks"]
     fast.reset()
     ref = _run(fast, prompt)[:2]
-    assert _run(fast, prompt)[:2] == ref                           # the same prompt again: all reused
+    again = _run(fast, prompt)
+    assert again[:2] == ref and again[2].n_prompt == 0              # the same prompt again: all reused
+    # the same blocks, another tail (its last token): the tail is evaluated again, never reused
+    other_tail = np.concatenate([prompt[:-1], prompt[-2:-1]])
+    fast.reset()
+    fresh = _run(fast, other_tail)[:2]
+    fast.reset()
+    _run(fast, prompt, 4)
+    st = _run(fast, other_tail)
+    assert st[:2] == fresh and st[2].n_prompt == fast.fast.n_evaluated == len(prompt) - fast_len(len(prompt))
     # after a shorter prompt (fast_len 640: a 128-token block where this one has 512) and a short one (none)
     for other in (P["one_block"], P["short"]):
         fast.reset()
@@ -221,7 +230,7 @@ def test_result_depends_on_the_tokens_only(engines):
         fast.reset()
         _run(fast, long[:first], 4)
         assert _run(fast, long)[:2] == ref, first
-        assert fast.fast.n_evaluated == fast_len(len(long)) - 1024
+        assert fast.fast.n_evaluated == len(long) - 1024       # the blocks from 1024, and the tail
 
 
 @pytest.mark.slow
@@ -279,7 +288,7 @@ def test_a_twin_that_does_not_load_keeps_the_exact_weights(engines, monkeypatch,
     try:
         with caplog.at_level(logging.WARNING, logger="specrun.kernels.prefill"):
             toks, _, st = _run(e, P["one_block"], 8)
-        assert e.fast.weights is fast.model and st.n_prompt_fast == 640 and st.fast_weights_mib == 0
+        assert e.fast.weights is fast.model and st.n_prompt_fast == 700 and st.fast_weights_mib == 0
         assert "repacked weights" not in st.lines()[0]
         assert sum("keeps the weights not repacked" in r.message for r in caplog.records) == 1
         e.reset()

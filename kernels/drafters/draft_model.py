@@ -50,7 +50,7 @@ class DraftModel:
         # target's KV (and accepts everything at temperature 0) and a small one evaluates fast too
         self.fast = (FastPrefill(self.model, target.n_ctx, target.n_threads, self.ctx.kv_rot)
                      if target.fast_prefill and not self.model.recurrent else None)
-        self._restored = 0                 # fast_len of the state loaded into self.ctx; 0: none
+        self._restored = 0                 # the prompt length a hand-over loaded into self.ctx; 0: none
         self._draft_at = -1                # position of the last draft's first token (-1: none pending)
 
     def close(self) -> None:
@@ -60,22 +60,23 @@ class DraftModel:
         self.model.close()
 
     def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
-        """A long prompt's whole blocks come from the fast prompt context now (never rolled back
-        below them afterwards); the rest of the draft KV is brought to the context lazily, in
-        propose(): any prefix will do."""
+        """A long prompt comes from the fast prompt context now, all of it (never rolled back below
+        it afterwards); anything else is brought to the draft KV lazily, in propose(): any prefix
+        will do."""
         self.opts, self._draft_at = opts, -1
-        fast = fast_len(len(prompt)) if self.fast is not None else 0
-        if fast and (self._restored != fast or common_prefix(self.kv, prompt) < fast):
+        n = len(prompt)
+        fast = fast_len(n) if self.fast is not None else 0
+        if fast and (self._restored != n or common_prefix(self.kv, prompt) < n):
             self.ctx.clear()
             self.kv, self._restored = [], 0
             try:
-                self.ctx.state_set(self.fast.state(prompt[:fast], lambda: False))
-                self.kv, self._restored = prompt[:fast].tolist(), fast
+                self.ctx.state_set(self.fast.state(prompt[:fast], lambda: False, prompt[fast:]))
+                self.kv, self._restored = prompt.tolist(), n
             except SpecrunError as e:
                 log.warning("fast prompt evaluation is off for the draft model: %s", e)
                 self.fast.close()
                 self.fast = None
-        elif self._restored != fast:
+        elif not fast and self._restored:
             self.ctx.clear()
             self.kv, self._restored = [], 0
         return n_keep
