@@ -142,7 +142,7 @@ class Engine:
                 n_threads=params.n_threads, n_rs_seq=self._rollback(spec), nextn="all" if self.mtp_enabled else None))
             self.n_ctx = self.ctx.n_ctx
             self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
-            # long prompts: all but their last < 64 tokens through the fast prompt context (repacked
+            # prompts of MIN_PROMPT+ tokens: all of them through the fast prompt context (repacked
             # weights, F16 KV), handed over to the exact context; not for MTP (hidden rows) nor
             # recurrent memory
             self.fast = (FastPrefill(self.model, self.n_ctx, params.n_threads, self.ctx.kv_rot)

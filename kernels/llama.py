@@ -326,6 +326,8 @@ class ContextParams:
     nextn: str | None = None    # export hidden rows for MTP: "all" (every row) or "outputs"
     kv_f16: bool = False        # flash attention over an F16 KV cache, for any model: the fast prompt context
                                 # (kernels/prefill.py); its rows are not batch-invariant, so it never verifies
+    n_outputs_max: int = 0      # most output rows in one decode (0: n_batch); its compute buffer holds that many
+                                # logits rows (Gemma 3: 1 MiB each), so a context that needs one says 1
 
 
 def _k_rot_block(n_embd_head_k: int) -> int:
@@ -367,6 +369,7 @@ class Context:
         cp.n_threads = n_threads
         cp.n_threads_batch = params.n_threads_batch or n_threads
         cp.n_rs_seq = params.n_rs_seq
+        cp.n_outputs_max = params.n_outputs_max
         cp.no_perf = False
         if model.exact or params.kv_f16:
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -394,7 +397,7 @@ class Context:
         rot_k, head_k = _kv_rot_said.get("k", (0, 0))
         self.kv_rot = (_k_rot_block(head_k) if rot_k else 0, 64 if _kv_rot_said.get("v", (0, 0))[0] else 0)
         self.kv_mib = sum(_kv_said)   # its KV cache, as llama.cpp said (allocated and cleared: resident)
-        self.n_batch = params.n_batch
+        self.n_batch = int(L.llama_n_batch(self._ptr))   # llama.cpp caps it at n_ctx; decode() checks it, not llama.cpp
         self.n_ubatch = cp.n_ubatch
         self.n_vocab = model.n_vocab
         self.mem = L.llama_get_memory(self._ptr)

@@ -32,7 +32,8 @@ SEEDED = SamplingParams(temp=0.8, seed=77)
 
 # ---- units -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 0), (512, 0), (513, 512), (514, 512), (577, 576),
+@pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 0), (127, 0), (128, 64), (129, 128), (512, 448), (513, 512),
+                                         (514, 512), (577, 576),
                                          (1024, 960), (1025, 1024), (1100, 1088), (1600, 1536)])
 def test_fast_len_all_but_the_last_tokens(n, want):
     assert fast_len(n) == want
@@ -153,7 +154,7 @@ def engines(request, gemma_path, smollm_path):
     slow = Engine(path, EngineParams(n_ctx=2048, n_threads=2, fast_prefill=False))
     text = "Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE
     toks = fast.tokenize(text)
-    prompts = {"two_blocks": toks[:1100], "one_block": toks[:700], "short": toks[:300]}
+    prompts = {"two_blocks": toks[:1100], "one_block": toks[:700], "short": toks[:300], "tiny": toks[:100]}
     yield fast, slow, prompts
     fast.close()
     slow.close()
@@ -183,7 +184,7 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     _, _, st = _run(slow, P["two_blocks"], 4)
     assert st.n_prompt_fast == 0 and slow.fast is None
     fast.reset()
-    _, _, st = _run(fast, P["short"], 4)                            # under 513 tokens: never
+    _, _, st = _run(fast, P["tiny"], 4)                             # under 128 tokens: never
     assert st.n_prompt_fast == 0
 
 
@@ -205,8 +206,8 @@ def test_result_depends_on_the_tokens_only(engines):
     _run(fast, prompt, 4)
     st = _run(fast, other_tail)
     assert st[:2] == fresh and st[2].n_prompt == fast.fast.n_evaluated == len(prompt) - fast_len(len(prompt))
-    # after a shorter prompt (fast_len 640: a 128-token block where this one has 512) and a short one (none)
-    for other in (P["one_block"], P["short"]):
+    # after a shorter prompt (fast_len 640: a 128-token block where this one has 512), a short one (fast_len 256) and a tiny one (none)
+    for other in (P["one_block"], P["short"], P["tiny"]):
         fast.reset()
         _run(fast, other, 8)
         assert _run(fast, prompt)[:2] == ref, len(other)
