@@ -532,7 +532,7 @@ class Engine:
                 self.ctx.keep_prefix(n, len(self.kv_tokens))
                 del self.kv_tokens[n:]
                 st.n_prompt = 0
-            elif not self._hand_over(prompt, fast, cancel, st):
+            elif not self._hand_over(prompt, cancel, st):
                 return None
             else:
                 st.n_prompt = st.n_prompt_fast
@@ -569,7 +569,7 @@ class Engine:
             return None
         return self.ctx.logits_rows()[-1]
 
-    def _hand_over(self, prompt: np.ndarray, fast: int, cancel: Callable[[], bool], st: GenStats) -> bool:
+    def _hand_over(self, prompt: np.ndarray, cancel: Callable[[], bool], st: GenStats) -> bool:
         """Load the exact context with the fast context's state for the whole prompt (fast_len
         tokens in blocks, then the tail) and keep its last logits. False when cancel() stopped it.
         A model whose state cannot be handed over turns the fast path off for good (one log line)
@@ -577,7 +577,7 @@ class Engine:
         self.ctx.clear()
         self.kv_tokens, self._restored, self._prompt_logits = [], 0, None
         try:
-            state = self.fast.state(prompt[:fast], cancel, prompt[fast:])
+            state = self.fast.state(prompt, cancel)
             if state is None:
                 return False
             self.ctx.state_set(state)
@@ -585,8 +585,9 @@ class Engine:
             log.warning("fast prompt evaluation is off for this model: %s", e)
             self.fast.close()
             self.fast = None
-            self.ctx.decode_chunks(prompt[:fast], 0, chunk=self.ctx.n_ubatch)
-            self.kv_tokens = prompt[:fast].tolist()
+            head = prompt[:fast_len(len(prompt))]
+            self.ctx.decode_chunks(head, 0, chunk=self.ctx.n_ubatch)
+            self.kv_tokens = head.tolist()
             return True
         self.kv_tokens, self._restored, self._prompt_logits = prompt.tolist(), len(prompt), self.fast.logits
         st.n_prompt_fast, st.fast_kv_mib, st.fast_weights_mib = (self.fast.n_evaluated, self.fast.kv_mib,

@@ -76,8 +76,8 @@ class FastPrefill:
     first use and sized to the longest head asked for so far (in steps of 2x, at most n_ctx_max), so
     that its memory follows the prompts actually given: kv_mib, plus the twin's weights_mib.
 
-    state(head, cancel, tail) -> the exact context's state for head + tail (len(head) a multiple
-    of MIN_BLOCK), and in self.logits the logits of tail's last token.
+    state(prompt, cancel) -> the exact context's state for the prompt (MIN_PROMPT tokens or more),
+    and in self.logits the logits of its last token.
     """
 
     def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int]) -> None:
@@ -119,16 +119,16 @@ class FastPrefill:
             self.ctx.close()
         self.ctx, self.tokens, self.blocks, self.n_tail, self.logits = None, [], [], 0, None
 
-    def state(self, head: np.ndarray, cancel: Callable[[], bool], tail: np.ndarray | None = None) -> bytes | None:
-        """Evaluate head (int32 [fast_len]) as fast_blocks(len(head)), reusing the leading blocks
-        already held with the same bounds and tokens, then tail (int32 [1..MIN_BLOCK], the
-        prompt's last tokens; its last row's logits go to self.logits), and return seq 0's state
-        re-encoded for the exact context (K rows in Q8_0). None when cancel() returned True between
-        two decodes (the blocks done are kept). Raises KVStateError / LlamaError when the hand-over
-        cannot work for this model."""
-        n_tail = 0 if tail is None else len(tail)
-        need = len(head) + n_tail
-        assert len(head) % MIN_BLOCK == 0 and n_tail <= MIN_BLOCK and need < self.n_ctx_max, (len(head), n_tail)
+    def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | None:
+        """Evaluate prompt (int32 [n], n >= MIN_PROMPT): its head prompt[:fast_len(n)] as
+        fast_blocks, reusing the leading blocks already held with the same bounds and tokens, then
+        its tail (the last 1..MIN_BLOCK tokens; the last row's logits go to self.logits), and
+        return seq 0's state re-encoded for the exact context (K rows in Q8_0). None when cancel()
+        returned True between two decodes (the blocks done are kept). Raises KVStateError /
+        LlamaError when the hand-over cannot work for this model."""
+        need = len(prompt)
+        head, tail = prompt[:fast_len(need)], prompt[fast_len(need):]
+        assert len(head) and need < self.n_ctx_max, need
         if self.ctx is None or self.ctx.n_ctx < need:
             n_ctx = min(max(need, 2 * self.ctx.n_ctx if self.ctx else 0, BLOCK), self.n_ctx_max)   # n_batch <= n_ctx
             self.close()
@@ -155,9 +155,8 @@ class FastPrefill:
             self.ctx.decode(head[s:s + size], s, "none")
             self.tokens.extend(head[s:s + size].tolist())
             self.blocks.append((s, size))
-        if n_tail:
-            if len(head) > keep and cancel():
-                return None
-            self.ctx.decode(tail, len(head), "last")
-            self.n_tail, self.logits = n_tail, self.ctx.logits_rows()[-1].copy()
+        if len(head) > keep and cancel():
+            return None
+        self.ctx.decode(tail, len(head), "last")
+        self.n_tail, self.logits = len(tail), self.ctx.logits_rows()[-1].copy()
         return quantize_k(self.ctx.state_get(), self.rot)

@@ -70,7 +70,7 @@ class DraftModel:
             self.ctx.clear()
             self.kv, self._restored = [], 0
             try:
-                self.ctx.state_set(self.fast.state(prompt[:fast], lambda: False, prompt[fast:]))
+                self.ctx.state_set(self.fast.state(prompt, lambda: False))
                 self.kv, self._restored = prompt.tolist(), n
             except SpecrunError as e:
                 log.warning("fast prompt evaluation is off for the draft model: %s", e)
