@@ -1,5 +1,6 @@
-"""Parts of the server without a model: stop strings held back while undecided, the slot queue
-(FIFO hand-over, bounded, a waiter that leaves, shutdown and drain), the Prometheus text, the
+"""Parts of the server without a real model: stop strings held back while undecided, the slot queue
+(FIFO hand-over, bounded, a waiter that leaves, shutdown and drain), the slots' runs leaving no
+threads behind (on SmolLM2), the Prometheus text, the
 listening socket (TCP_NODELAY on accepted connections), the exposure warning, the chat template's
 time limit, and the ASGI layers (Gate while loading; Guard: API key, body limit and timeout, UTF-8,
 503 while stopping, a JSON 500 that keeps the connection)."""
@@ -8,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from specrun.cli.runtime.text import StopScanner
@@ -20,6 +24,8 @@ from specrun.cli.server.metrics import Metrics
 from specrun.cli.server.middleware import Gate, Guard
 from specrun.cli.server.slots import Busy, Job, Outcome, Run, ShuttingDown, SlotPool
 from specrun.kernels.chat_template import ChatTemplate
+from specrun.kernels.engine import Engine
+from specrun.kernels.params import EngineParams
 from specrun.kernels.stats import DrafterStats, GenStats
 from specrun.kernels.types import SamplingParams
 
@@ -184,6 +190,52 @@ def test_drain_with_nothing_in_flight_returns_at_once():
         assert (drained.finished, drained.interrupted) == (0, 0)
 
     asyncio.run(scenario())
+
+
+# ---- the runs' threads --------------------------------------------------------------------------
+
+
+def _n_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts this process's threads in /proc")
+def test_runs_leave_no_threads_behind(smollm_path):
+    """Two slots busy at once, then each alone: once idle, the process has the threads it had before
+    any run. libgomp keeps a team of OpenMP workers for every thread that ever decoded, and with more
+    of them than CPUs every barrier of every later decode sleeps (slots.py: 3x slower for good)."""
+    path = str(smollm_path)
+    params = EngineParams(n_ctx=256, n_threads=2)
+    engines = [Engine(path, params)]
+    engines.append(Engine(path, params, model=engines[0].model))
+    pool = SlotPool(engines, max_queue=2)
+    job = Job("completion", np.array([1, 7, 8, 9], dtype=np.int32), 8, SamplingParams(temp=0.0), None, stream=False)
+    threads: list = []
+
+    async def serve(n: int) -> list[Outcome]:
+        runs = [await pool.start(job) for _ in range(n)]
+        threads.extend(r.thread for r in runs)
+        return [await r.outcome() for r in runs]
+
+    def settled(n0: int) -> int:
+        for t in threads:
+            t.join(30)
+        deadline = time.monotonic() + 10    # the OpenMP workers of an ended thread exit on their own
+        while _n_threads() != n0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return _n_threads()
+
+    try:
+        n0 = _n_threads()
+        both = asyncio.run(serve(2))
+        assert both[0].stats.n_gen > 0 and both[0].tokens == both[1].tokens
+        assert settled(n0) == n0
+        for _ in range(2):
+            (alone,) = asyncio.run(serve(1))
+            assert alone.tokens == both[0].tokens
+            assert settled(n0) == n0
+    finally:
+        pool.close()
 
 
 # ---- the listening socket, the exposure warning ---------------------------------------------------
