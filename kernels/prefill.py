@@ -44,16 +44,19 @@ log = logging.getLogger(__name__)
 
 BLOCK = 512          # tokens per fast decode (llama-server's n_ubatch), aligned at absolute positions
 MIN_BLOCK = 64       # the smallest: flash attention's tiled kernel needs 64 rows (GGML_FA_TILE_Q)
-MIN_PROMPT = 128     # shorter prompts stay on the exact path (the hand-over's fixed costs; see fast_len)
+MIN_PROMPT = 256     # shorter prompts stay on the exact path (the hand-over's fixed costs; see fast_len)
 
 
 def fast_len(n_prompt: int) -> int:
     """The prompt positions [0, fast_len) the fast context evaluates in aligned blocks: all but
     the last 1..MIN_BLOCK tokens (the tail, one decode of its own), rounded down to a multiple of
-    MIN_BLOCK. 0 for prompts under MIN_PROMPT tokens: measured in one process on 2 threads, the
-    fast path's prompt time against the exact path's is 0.75 at 66 tokens on Gemma 3 270M but 1.13
-    on SmolLM2 (its larger KV rows to hand over); from 100 tokens on it is 0.76-0.87 on Gemma and
-    0.89-0.98 on SmolLM2."""
+    MIN_BLOCK. 0 for prompts under MIN_PROMPT tokens: measured in one process on 2 threads (median
+    of 7, the two paths alternating), the fast path's prompt time against the exact path's is
+    1.19 / 1.08 / 1.01 / 0.94 / 0.94 / 0.87 / 0.87 on Gemma 3 270M at 20 / 66 / 128 / 160 / 256 /
+    400 / 512 tokens, and 1.28 / 1.13 / 1.06 / 1.03 / 1.00 / 0.94 / 0.92 on SmolLM2 at 20 / 66 /
+    128 / 200 / 256 / 400 / 512 (its larger KV rows to hand over). (Earlier measurements that put
+    the line at 128 timed the exact path while numpy's BLAS threads still spun after the fast
+    path's hand-over: kernels/kvstate.py.)"""
     return (n_prompt - 1) // MIN_BLOCK * MIN_BLOCK if n_prompt >= MIN_PROMPT else 0
 
 

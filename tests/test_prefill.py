@@ -32,7 +32,7 @@ SEEDED = SamplingParams(temp=0.8, seed=77)
 
 # ---- units -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 0), (127, 0), (128, 64), (129, 128), (512, 448), (513, 512),
+@pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 0), (255, 0), (256, 192), (257, 256), (512, 448), (513, 512),
                                          (514, 512), (577, 576),
                                          (1024, 960), (1025, 1024), (1100, 1088), (1600, 1536)])
 def test_fast_len_all_but_the_last_tokens(n, want):
@@ -184,7 +184,7 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     _, _, st = _run(slow, P["two_blocks"], 4)
     assert st.n_prompt_fast == 0 and slow.fast is None
     fast.reset()
-    _, _, st = _run(fast, P["tiny"], 4)                             # under 128 tokens: never
+    _, _, st = _run(fast, P["tiny"], 4)                             # under MIN_PROMPT (256) tokens: never
     assert st.n_prompt_fast == 0
 
 

@@ -118,7 +118,7 @@ def model_options(f):
     @click.option("--no-exact", "no_exact", is_flag=True,
                   help="llama.cpp's fastest kernels; verify logits may then differ from one-token decoding")
     @click.option("--fast-prefill/--no-fast-prefill", "fast_prefill", default=True, show_default=True,
-                  help="exact mode: evaluate a prompt of 128+ tokens with repacked weights and "
+                  help="exact mode: evaluate a prompt of 256+ tokens with repacked weights and "
                        "an F16 KV cache (llama.cpp's fast kernels), then hand it to the exact context; off saves "
                        "the repacked copy's and that cache's memory")
     @click.option("--rpc", "rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
