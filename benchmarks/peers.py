@@ -434,17 +434,23 @@ def measure_group(model: str, path: str, setting: Setting, group: list[str], min
     return [r for s in group for r in kept[s]], done
 
 
-def meta(args, texts: dict) -> dict:
+def git_state() -> tuple[str, list[str]]:
+    """(HEAD's short commit, the tracked files changed since it): what a results file was measured at."""
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
+    return git("rev-parse", "--short", "HEAD"), git("diff", "--name-only", "HEAD").split()
+
+
+def meta(args, texts: dict) -> dict:
     version = ""
     if "llama-server" in args.systems:
         v = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=60)
         version = next((ln for ln in (v.stdout + v.stderr).splitlines() if ln.startswith("version")), "")
     cpu = cpu_model()
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
-            "dirty": git("diff", "--name-only", "HEAD").split(), "cpu": cpu, "cores": os.cpu_count(),
+    commit, dirty = git_state()
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": commit,
+            "dirty": dirty, "cpu": cpu, "cores": os.cpu_count(),
             "llama_server_version": version, "max_busy": args.max_busy, "threads": args.threads, "ctx": args.ctx,
             "n_predict": args.n_predict, "reps": args.reps, "together": not args.one_at_a_time, "workloads": {w.name: {"model": w.model, "file": f"benchmarks/prompts/{w.file}",
                                                       "what": w.what} for w in WORKLOADS if w.name in texts}}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 from datetime import datetime, timezone
@@ -31,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers import PROMPTS, RESULTS, ROOT, complete, cpu_model, free_port, model_path, serving  # noqa: E402
+from peers import PROMPTS, RESULTS, ROOT, complete, cpu_model, free_port, git_state, model_path, serving  # noqa: E402
 
 PHASES = ("alone", "at once", "after")
 
@@ -77,7 +76,8 @@ def summary(res: dict) -> dict:
 
 
 def markdown(data: dict) -> str:
-    lines = [f"Measured {data['date']} at commit `{data['commit']}`; {data['cpu']}; model {data['model']}, "
+    dirty = f" with uncommitted changes in {', '.join(data['dirty'])}" if data.get("dirty") else ""
+    lines = [f"Measured {data['date']} at commit `{data['commit']}`{dirty}; {data['cpu']}; model {data['model']}, "
              f"{data['threads']} threads, -np 2, n_predict {data['n_predict']}, {data['reps']} reps per phase, "
              "medians of each server's own `timings`.", "",
              "| system | alone tok/s | at once, each | at once, sum | after tok/s | after / alone | sum at once / alone "
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     if "llama-server" in systems and not Path(args.llama_server).is_file():
         print(f"[slots] no llama-server at {args.llama_server} (make peers-server): specrun only", file=sys.stderr)
         systems.remove("llama-server")
-    data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": _commit(), "cpu": cpu_model(),
+    commit, dirty = git_state()
+    data = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": commit, "dirty": dirty, "cpu": cpu_model(),
             "model": args.model, "threads": args.threads, "n_predict": args.n_predict, "reps": args.reps, "systems": {}}
     for system in systems:
         port = free_port()
@@ -119,11 +120,6 @@ def main(argv: list[str] | None = None) -> None:
     md = markdown(data)
     out.with_suffix(".md").write_text(md)
     print(md)
-
-
-def _commit() -> str:
-    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or "?"
 
 
 if __name__ == "__main__":

@@ -206,9 +206,13 @@ def test_runs_leave_no_threads_behind(smollm_path):
     of them than CPUs every barrier of every later decode sleeps (slots.py: 3x slower for good)."""
     path = str(smollm_path)
     params = EngineParams(n_ctx=256, n_threads=2)
-    engines = [Engine(path, params)]
-    engines.append(Engine(path, params, model=engines[0].model))
-    pool = SlotPool(engines, max_queue=2)
+    first = Engine(path, params)
+    try:
+        second = Engine(path, params, model=first.model)
+    except BaseException:
+        first.close()
+        raise
+    pool = SlotPool([first, second], max_queue=2)    # closes both
     job = Job("completion", np.array([1, 7, 8, 9], dtype=np.int32), 8, SamplingParams(temp=0.0), None, stream=False)
     threads: list = []
 
