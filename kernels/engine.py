@@ -39,6 +39,7 @@ from .draftlen import DraftLength, PassCost
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import EngineParams, SpecParams
 from .prefill import FastPrefill, fast_len
+from .prefill_worker import PrefillWorker, uses_worker
 from .sampling import sample
 from .stats import DrafterStats, GenStats
 from .types import (
@@ -145,11 +146,15 @@ class Engine:
             # prompts of MIN_PROMPT+ tokens: all of them through the fast prompt context (repacked
             # weights, F16 KV), handed over to the exact context; not for MTP (hidden rows) nor
             # recurrent memory
-            self.fast = (FastPrefill(self.model, self.n_ctx, params.n_threads, self.ctx.kv_rot)
-                         if params.exact and params.fast_prefill and not self.mtp_enabled
-                         and params.placement is None   # over RPC the state copy would cross the network
-                         and "draft-eagle3" not in spec.types   # EAGLE-3 reads every position's rows too
-                         and not self.model.recurrent else None)
+            self.fast: FastPrefill | PrefillWorker | None = None
+            if (params.exact and params.fast_prefill and not self.mtp_enabled
+                    and params.placement is None      # over RPC the state copy would cross the network
+                    and "draft-eagle3" not in spec.types   # EAGLE-3 reads every position's rows too
+                    and not self.model.recurrent):
+                # in a child process where the file has matrices llama.cpp's tiled kernel takes
+                worker = params.prefill_worker if params.prefill_worker is not None else uses_worker(self.model)
+                self.fast = (PrefillWorker if worker else FastPrefill)(self.model, self.n_ctx, params.n_threads,
+                                                                       self.ctx.kv_rot)
             self._restored = 0   # the prompt length the exact context was loaded with by a hand-over; 0: none
             self._prompt_logits: np.ndarray | None = None   # float32 [n_vocab]: that prompt's last logits
             self.pass_cost = PassCost()   # t(rows) of this engine's target passes (adaptive draft length)

@@ -61,6 +61,8 @@ _kv_said: list[float] = []   # MiB of the KV buffers of the context being create
 _KV_LINE = re.compile(r"KV buffer size =\s*([\d.]+) MiB")
 _bufs_said: dict[str, float] = {}   # MiB of each weight buffer of the model being loaded: {"CPU_REPACK": 96.0, ...}
 _BUF_LINE = re.compile(r"(\S+) model buffer size =\s*([\d.]+) MiB")
+_types_said: dict[str, int] = {}   # tensors of each ggml type in the file being loaded: {"Q6_K": 9, ...}
+_TYPE_LINE = re.compile(r"- type\s+(\w+):\s*(\d+) tensors")
 
 
 @L.llama_log_callback
@@ -75,6 +77,10 @@ def _log_callback(level, text, user_data):  # pragma: no cover - called from C
         m = _KV_LINE.search(text.decode("ascii", errors="replace"))
         if m:
             _kv_said.append(float(m.group(1)))
+    elif b"- type " in text:
+        m = _TYPE_LINE.search(text.decode("ascii", errors="replace"))
+        if m:
+            _types_said[m.group(1).upper()] = int(m.group(2))
     elif b"model buffer size =" in text:
         m = _BUF_LINE.search(text.decode("ascii", errors="replace"))
         if m:
@@ -178,6 +184,7 @@ class Model:
             mp.use_extra_bufts = cpu_probe.extra_bufts_plan().extra_bufts
         _last_error.clear()
         _bufs_said.clear()
+        _types_said.clear()
         self._twin: Model | None = None
         self._twin_lock = threading.Lock()
         self._ptr = L.llama_model_load_from_file(self.path.encode(), mp)
@@ -187,6 +194,7 @@ class Model:
         # MiB of each weight buffer, as llama.cpp said: "CPU_Mapped" (the file's pages, shared by every
         # load of the file), "CPU_REPACK" (weights copied into llama.cpp's repacked layouts), ...
         self.buffers_mib = dict(_bufs_said)
+        self.tensor_types = dict(_types_said)   # {"Q6_K": 9, "F32": 109, ...}, as llama.cpp's loader counted them
         self.vocab = L.llama_model_get_vocab(self._ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_embd = int(L.llama_model_n_embd(self._ptr))

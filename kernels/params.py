@@ -87,6 +87,8 @@ class EngineParams:
     exact: bool = True
     fast_prefill: bool = True          # exact mode: long prompts' aligned blocks through an F16-KV context over
                                        # repacked weights, handed over (kernels/prefill.py); False saves both
+    prefill_worker: bool | None = None  # that context in a child process with llama.cpp's tiled matmul on
+                                        # (kernels/prefill_worker.py); None: when the file has tensors it takes
     spec: SpecParams = field(default_factory=SpecParams)
     draft_model: str | None = None     # -md: a draft GGUF (draft-simple), EAGLE-3 (draft-eagle3) or MTP heads (draft-mtp)
     exact_caveat: str | None = None    # why exact mode may not be bit-exact for these weights (stats line)

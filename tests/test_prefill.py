@@ -150,7 +150,9 @@ def engines(request, gemma_path, smollm_path):
     """(engine with the fast prompt context, the same without it, prompts) for one model.
     Gemma 3 has sliding-window layers (a handed-over state keeps only the window)."""
     path = str(gemma_path if request.param == "gemma" else smollm_path)
-    fast = Engine(path, EngineParams(n_ctx=2048, n_threads=2))
+    # the fast context in this process, whose parts these tests look at (Gemma's Q6_K would send it to a
+    # child process: tests/test_prefill_worker.py)
+    fast = Engine(path, EngineParams(n_ctx=2048, n_threads=2, prefill_worker=False))
     slow = Engine(path, EngineParams(n_ctx=2048, n_threads=2, fast_prefill=False))
     text = "Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE
     toks = fast.tokenize(text)
@@ -175,7 +177,7 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     assert (twin is fast.model) == (st.fast_weights_mib == 0) == ("repacked weights" not in st.lines()[0])
     if "gemma" in fast.model.path and platform.machine() in ("x86_64", "AMD64"):   # Q4_K: repacked on x86
         assert st.fast_weights_mib > 0
-    other = Engine(fast.model.path, EngineParams(n_ctx=2048, n_threads=2), model=fast.model)
+    other = Engine(fast.model.path, fast.params, model=fast.model)
     try:
         _run(other, P["two_blocks"], 1)
         assert other.fast.weights is fast.fast.weights
@@ -262,7 +264,7 @@ def test_a_state_that_cannot_be_handed_over_falls_back(engines, monkeypatch, cap
     fast, slow, P = engines
     prompt = P["one_block"]
     want = _run(slow, prompt)[:2]
-    e = Engine(fast.model.path, EngineParams(n_ctx=2048, n_threads=2), model=fast.model)
+    e = Engine(fast.model.path, fast.params, model=fast.model)
     try:
         def refuse(blob, rot):
             raise KVStateError("KV cells with extensions (M-RoPE)")
@@ -285,7 +287,7 @@ def test_a_twin_that_does_not_load_keeps_the_exact_weights(engines, monkeypatch,
     def refuse(self):
         raise LlamaError("could not load this model; llama.cpp says: failed to allocate CPU_REPACK buffer")
     monkeypatch.setattr(Model, "repacked", refuse)
-    e = Engine(fast.model.path, EngineParams(n_ctx=2048, n_threads=2), model=fast.model)
+    e = Engine(fast.model.path, fast.params, model=fast.model)
     try:
         with caplog.at_level(logging.WARNING, logger="specrun.kernels.prefill"):
             toks, _, st = _run(e, P["one_block"], 8)

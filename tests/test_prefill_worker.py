@@ -1,0 +1,177 @@
+"""The fast prompt context in a child process (kernels/prefill_worker.py), on Gemma 3 270M (Q4_K_M:
+its Q6_K matrices take llama.cpp's tiled kernel there).
+
+What must hold, as in this process (tests/test_prefill.py): a prompt's result is a function of its
+tokens alone; speculative output equals plain decoding through the hand-over; cancel stops between
+blocks and a retry gives the fresh result. And the process's own faults: a worker that dies or
+cannot start leaves one warning and the work in this process; close() ends the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrun.kernels import prefill_worker
+from specrun.kernels.drafters import DraftModel
+from specrun.kernels.engine import Engine
+from specrun.kernels.llama import Model
+from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.prefill import FastPrefill, fast_len
+from specrun.kernels.prefill_worker import PrefillWorker, uses_worker
+from specrun.kernels.types import SamplingParams
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                                 reason="ggml's tiled kernel is x86's: elsewhere the fast context stays here")]
+
+_CODE = (Path(__file__).parent / "data" / "copy_source.txt").read_text()
+GREEDY = SamplingParams(temp=0.0)
+SEEDED = SamplingParams(temp=0.8, seed=77)
+PARAMS = EngineParams(n_ctx=2048, n_threads=2)
+
+
+def _run(e: Engine, prompt, n=24, sampling=GREEDY, **kw):
+    gen = e.generate(prompt, n, sampling, logprobs=0, **kw)
+    toks = [t for c in gen for t in c]
+    return toks, [lp.logprob for lp in gen.logprobs], gen.stats
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path):
+    with Model(str(gemma_path)) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def engine(gemma):
+    with Engine(gemma.path, PARAMS, model=gemma) as e:
+        toks = e.tokenize("Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE)
+        yield e, {"two_blocks": toks[:1100], "one_block": toks[:700], "short": toks[:300]}
+
+
+def test_the_file_decides(gemma, smollm_path):
+    assert gemma.tensor_types.get("Q6_K", 0) > 0 and uses_worker(gemma)
+    with Model(str(smollm_path)) as smol:            # Q4_1 / Q8_0: nothing the tiled kernel takes
+        assert not uses_worker(smol)
+        with Engine(smol.path, PARAMS, model=smol) as e:
+            assert type(e.fast) is FastPrefill
+    with Engine(gemma.path, PARAMS, model=gemma) as e:
+        assert type(e.fast) is PrefillWorker and e.fast.pid is None     # started at the first long prompt
+    with Engine(gemma.path, EngineParams(n_ctx=2048, n_threads=2, prefill_worker=False), model=gemma) as e:
+        assert type(e.fast) is FastPrefill
+
+
+def test_result_depends_on_the_tokens_only(engine):
+    e, P = engine
+    prompt = P["two_blocks"]
+    e.reset()
+    ref = _run(e, prompt)
+    pid = e.fast.pid
+    assert pid is not None and _alive(pid)
+    assert ref[2].n_prompt_fast == len(prompt) and ref[2].fast_kv_mib > 0 and ref[2].fast_weights_mib > 0
+    again = _run(e, prompt)
+    assert again[:2] == ref[:2] and again[2].n_prompt == 0            # the same prompt again: all reused
+    for other in (P["one_block"], P["short"]):                         # after another prompt
+        e.reset()
+        _run(e, other, 4)
+        got = _run(e, prompt)
+        assert got[:2] == ref[:2], len(other)
+    # after a longer prompt with the same first blocks: only the blocks past them and the tail
+    e.reset()
+    _run(e, P["two_blocks"][:1100], 4)
+    other_tail = np.concatenate([prompt[:-1], prompt[-2:-1]])
+    got = _run(e, other_tail)
+    assert got[2].n_prompt == e.fast.n_evaluated == len(prompt) - fast_len(len(prompt))
+    e.reset()                                                          # forgets the worker's blocks too
+    assert _run(e, prompt)[:2] == ref[:2] and e.fast.n_evaluated == len(prompt)
+    assert e.fast.pid == pid                                           # one worker for the engine's life
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_spec_equals_none_through_the_worker(engine, sampling):
+    """Both branches: the target as its own draft (always right at temp 0) and n-grams on a copy."""
+    e, P = engine
+    prompt = P["two_blocks"]
+    e.reset()
+    plain = _run(e, prompt, 40, sampling, spec=SpecParams(verify="match"))[0]
+    ngram = _run(e, prompt, 40, sampling, spec=SpecParams(types=("ngram-simple",), ngram_size_n=3,
+                                                          ngram_size_m=16, verify="match"))
+    assert ngram[0] == plain
+    selfdraft = DraftModel(e.target, e.model.path)
+    try:
+        e.reset()
+        out, _, st = _run(e, prompt, 40, sampling, spec=SpecParams(types=("draft-simple",), n_max=8, verify="match"),
+                          drafters=[selfdraft])
+    finally:
+        selfdraft.close()
+    assert out == plain
+    if sampling.greedy:
+        assert st.drafters[0].n_acc_tokens == st.drafters[0].n_gen_tokens > 0
+
+
+def test_cancel_then_retry(engine):
+    e, P = engine
+    prompt = P["two_blocks"]
+    e.reset()
+    ref = _run(e, prompt)[:2]
+    e.reset()
+    gen = e.generate(prompt, 8, GREEDY, cancel=lambda: True)
+    assert [t for c in gen for t in c] == [] and gen.stats.stop == "interrupted"
+    assert e.kv_tokens == []                                           # nothing handed over
+    assert _run(e, prompt)[:2] == ref
+
+
+def test_a_worker_that_dies_leaves_the_work_here(gemma, engine, caplog):
+    """Killed by a signal: one warning, the prompt in flight evaluated in this process, whose
+    results are then those of an engine that never had a worker."""
+    _, P = engine
+    prompt = P["one_block"]
+    with Engine(gemma.path, EngineParams(n_ctx=2048, n_threads=2, prefill_worker=False), model=gemma) as local:
+        want = _run(local, prompt)[:2]
+    with Engine(gemma.path, PARAMS, model=gemma) as e:
+        _run(e, P["short"], 2)
+        pid = e.fast.pid
+        os.kill(pid, 9)
+        with caplog.at_level(logging.WARNING, logger="specrun.kernels.prefill_worker"):
+            got = _run(e, prompt)
+            e.reset()
+            again = _run(e, prompt)
+        assert got[:2] == want == again[:2] and got[2].n_prompt_fast == len(prompt)
+        assert e.fast.local is not None and e.fast.pid is None and not _alive(pid)
+        msgs = [r.message for r in caplog.records if "worker stopped" in r.message]
+        assert len(msgs) == 1 and "fast prompts go on in this process" in msgs[0]
+
+
+def test_a_worker_that_cannot_start_leaves_the_work_here(gemma, engine, monkeypatch, caplog):
+    _, P = engine
+    monkeypatch.setattr(prefill_worker.sys, "executable", "/bin/false")
+    with Engine(gemma.path, PARAMS, model=gemma) as e:
+        with caplog.at_level(logging.WARNING, logger="specrun.kernels.prefill_worker"):
+            toks, _, st = _run(e, P["short"], 4)
+        assert len(toks) == 4 and st.n_prompt_fast == len(P["short"]) and e.fast.local is not None
+        assert sum("worker stopped" in r.message for r in caplog.records) == 1
+
+
+def test_close_ends_the_worker(gemma, engine):
+    _, P = engine
+    e = Engine(gemma.path, PARAMS, model=gemma)
+    _run(e, P["short"], 2)
+    proc = e.fast.proc
+    assert proc is not None and proc.poll() is None
+    e.close()
+    assert proc.poll() is not None
+    assert e.fast is None or e.fast.proc is None
