@@ -246,13 +246,42 @@ def serving(cmd: list[str], log: Path, timeout: float = 600.0):
                     proc.wait()
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (field 3, state, first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and every live process descended from it (a server's fast prompt worker)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                children.setdefault(int(_stat(int(d.name))[1]), []).append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass                                   # gone while we looked
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 def cpu_ticks(pid: int | None = None) -> tuple[int, int]:
-    """(all CPUs' ticks, busy ticks) from /proc/stat; with `pid`, busy = that process's ticks (all threads)."""
+    """(all CPUs' ticks, busy ticks) from /proc/stat; with `pid`, busy = the ticks of that process and
+    of every process descended from it (all threads; a child that ended and was waited for is in
+    its parent's cutime / cstime)."""
     v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     total, busy = sum(v), sum(v) - v[3] - v[4]                      # less idle and iowait
     if pid is not None:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        busy = int(f[11]) + int(f[12])                                # utime, stime
+        busy = 0
+        for p in process_tree(pid):
+            try:
+                f = _stat(p)
+            except OSError:
+                continue
+            busy += int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])   # utime, stime, cutime, cstime
     return total, busy
 
 

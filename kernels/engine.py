@@ -595,6 +595,6 @@ class Engine:
             self.kv_tokens = head.tolist()
             return True
         self.kv_tokens, self._restored, self._prompt_logits = prompt.tolist(), len(prompt), self.fast.logits
-        st.n_prompt_fast, st.fast_kv_mib, st.fast_weights_mib = (self.fast.n_evaluated, self.fast.kv_mib,
-                                                                  self.fast.weights_mib)
+        st.n_prompt_fast, st.fast_kv_mib, st.fast_weights_mib, st.fast_process_mib = (
+            self.fast.n_evaluated, self.fast.kv_mib, self.fast.weights_mib, self.fast.process_mib)
         return True

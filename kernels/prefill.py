@@ -97,6 +97,8 @@ class FastPrefill:
     def kv_mib(self) -> float:
         return self.ctx.kv_mib if self.ctx is not None else 0.0
 
+    process_mib = 0.0        # it runs in this process (kernels/prefill_worker.py: in a child of its own)
+
     @property
     def weights_mib(self) -> float:
         """The repacked weights' memory (shared with the other engines over the same model)."""

@@ -106,6 +106,22 @@ class PrefillWorker:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
+    @property
+    def process_mib(self) -> float:
+        """The child's private memory (Linux's RssAnon: its heap, repacked weights, KV cache and
+        compute buffers; the model file's pages are shared with this process); 0 when it is not
+        running (or the system does not say)."""
+        pid = self.pid
+        if pid is None:
+            return 0.0
+        try:
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
     def _start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != TILED_ENV}
         cmd = [sys.executable, "-m", __name__, self.model.path, str(self.n_ctx_max), str(self.n_threads),

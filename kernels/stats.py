@@ -51,6 +51,7 @@ class GenStats:
     n_prompt_fast: int = 0       # of n_prompt, those the fast prompt context evaluated (kernels/prefill.py)
     fast_kv_mib: float = 0.0     # the fast prompt context's KV cache, when it was used
     fast_weights_mib: float = 0.0  # ...and its repacked copy of the weights (0: it runs the exact ones)
+    fast_process_mib: float = 0.0  # ...and the private memory of the child process it runs in (0: this one)
     n_gen: int = 0               # tokens emitted
     n_target_passes: int = 0     # target decodes during generation (one per verify)
     n_restores: int = 0          # hybrid models: partial accepts past the snapshots, undone by a
@@ -95,6 +96,8 @@ class GenStats:
         out = [f"prompt eval: {self.n_prompt} tokens in {self.t_prompt_s * 1e3:.1f} ms "
                f"({self.prompt_tps:.2f} tokens/s)"
                + (f", {self.n_prompt_fast} through the fast prompt context ("
+                  + (f"a child process of {self.fast_process_mib:.0f} MiB private memory, with "
+                     if self.fast_process_mib else "")
                   + (f"repacked weights {self.fast_weights_mib:.0f} MiB, " if self.fast_weights_mib else "")
                   + f"F16 KV cache {self.fast_kv_mib:.0f} MiB; --no-fast-prefill saves "
                   + ("them)" if self.fast_weights_mib else "it)") if self.n_prompt_fast else ""),

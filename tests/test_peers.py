@@ -115,6 +115,27 @@ def test_other_work_share_leaves_out_the_server():
     assert peers.others_share(((100, 50), (0, 10)), ((200, 60), (0, 25))) == 0.0      # never below 0
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_servers_ticks_include_its_children():
+    """specrun serve evaluates long prompts in a child process (kernels/prefill_worker.py): its CPU
+    time is the server's, not other work, while it runs and once it has been waited for."""
+    import os
+    import subprocess
+    me = os.getpid()
+    before = peers.cpu_ticks(me)[1]
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.5: pass\nprint(1, flush=True)\ninput()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "1\n"               # it has burned 0.5 s of CPU and waits
+        assert child.pid in peers.process_tree(me)
+        running = peers.cpu_ticks(me)[1] - before
+    finally:
+        child.communicate("")
+    assert running >= 0.3 * os.sysconf("SC_CLK_TCK")
+    assert peers.cpu_ticks(me)[1] - before >= running           # waited for: in our cutime
+
+
 def test_eagle3_settings_run_on_the_synthetic_pair_only():
     e3 = [s for s in peers.SETTINGS if s.name.startswith("draft-eagle3")]
     assert e3 and all(s.applies(peers.EAGLE3_MODEL) and not s.applies("gemma-3-270m") for s in e3)

@@ -83,6 +83,9 @@ def test_result_depends_on_the_tokens_only(engine):
     pid = e.fast.pid
     assert pid is not None and _alive(pid)
     assert ref[2].n_prompt_fast == len(prompt) and ref[2].fast_kv_mib > 0 and ref[2].fast_weights_mib > 0
+    # its private memory holds at least its repacked weights and KV cache, and the stats line says it
+    assert ref[2].fast_process_mib > ref[2].fast_kv_mib + ref[2].fast_weights_mib
+    assert "a child process of" in ref[2].lines()[0]
     again = _run(e, prompt)
     assert again[:2] == ref[:2] and again[2].n_prompt == 0            # the same prompt again: all reused
     for other in (P["one_block"], P["short"]):                         # after another prompt
@@ -151,6 +154,7 @@ def test_a_worker_that_dies_leaves_the_work_here(gemma, engine, caplog):
             e.reset()
             again = _run(e, prompt)
         assert got[:2] == want == again[:2] and got[2].n_prompt_fast == len(prompt)
+        assert got[2].fast_process_mib == 0 and "child process" not in got[2].lines()[0]
         assert e.fast.local is not None and e.fast.pid is None and not _alive(pid)
         msgs = [r.message for r in caplog.records if "worker stopped" in r.message]
         assert len(msgs) == 1 and "fast prompts go on in this process" in msgs[0]
