@@ -142,12 +142,19 @@ class PrefillWorker:
                 if self.proc is None:
                     self._start()
                 return self._remote(np.ascontiguousarray(prompt, dtype=np.int32), cancel)
+            except (KVStateError, LlamaError):
+                raise                # the worker's answer, read whole: the pipe is in step
             except (_WorkerGone, OSError, ValueError) as e:
                 code = self.proc.poll() if self.proc is not None else None
                 why = f"{e}" + (f"; exit status {code}" if code is not None else "")
                 log.warning("the fast prompt worker stopped (%s); fast prompts go on in this process", why)
                 self._kill()
                 self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot)
+            except BaseException:
+                # interrupted mid-request (Ctrl-C in cancel(), a signal): its answer may still come,
+                # or come in part, so the pipe is out of step; the next prompt starts another worker
+                self._kill()
+                raise
         got = self.local.state(prompt, cancel)
         self.n_evaluated, self.kv_mib, self.weights_mib = self.local.n_evaluated, self.local.kv_mib, self.local.weights_mib
         self.logits = self.local.logits

@@ -179,3 +179,23 @@ def test_close_ends_the_worker(gemma, engine):
     e.close()
     assert proc.poll() is not None
     assert e.fast is None or e.fast.proc is None
+
+
+def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine):
+    """Ctrl-C while the worker evaluates (here raised from cancel(), which the parent polls): its
+    answer may still come, so that worker is ended and the next prompt starts another, whose
+    result is the same."""
+    _, P = engine
+    prompt = P["two_blocks"]
+    with Engine(gemma.path, PARAMS, model=gemma) as e:
+        ref = _run(e, prompt)[:2]
+        pid = e.fast.pid
+        e.reset()
+
+        def interrupt() -> bool:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            list(e.generate(prompt, 4, GREEDY, cancel=interrupt))
+        assert e.fast.pid is None and not _alive(pid) and e.fast.local is None
+        assert _run(e, prompt)[:2] == ref and e.fast.pid not in (None, pid)
