@@ -521,7 +521,7 @@ class Engine:
             log.info("KV cache (%d) and its token list (%d) disagree; clearing", self.ctx.pos_max() + 1,
                      len(self.kv_tokens))
             self.reset()
-        fast = fast_len(n, self.fast.min_prompt) if self.fast is not None else 0
+        fast = fast_len(n) if self.fast is not None else 0
         held = common_prefix(self.kv_tokens, prompt)
         keep = min(held, n - 1)
         if self._restored and not fast:
@@ -588,9 +588,9 @@ class Engine:
             self.ctx.state_set(state)
         except SpecrunError as e:
             log.warning("fast prompt evaluation is off for this model: %s", e)
-            head = prompt[:fast_len(len(prompt), self.fast.min_prompt)]
             self.fast.close()
             self.fast = None
+            head = prompt[:fast_len(len(prompt))]
             self.ctx.decode_chunks(head, 0, chunk=self.ctx.n_ubatch)
             self.kv_tokens = head.tolist()
             return True

@@ -47,18 +47,17 @@ MIN_BLOCK = 64       # the smallest: flash attention's tiled kernel needs 64 row
 MIN_PROMPT = 256     # shorter prompts stay on the exact path (the hand-over's fixed costs; see fast_len)
 
 
-def fast_len(n_prompt: int, min_prompt: int = MIN_PROMPT) -> int:
+def fast_len(n_prompt: int) -> int:
     """The prompt positions [0, fast_len) the fast context evaluates in aligned blocks: all but
     the last 1..MIN_BLOCK tokens (the tail, one decode of its own), rounded down to a multiple of
-    MIN_BLOCK. 0 for prompts under min_prompt tokens (MIN_PROMPT in this process; the child process
-    of kernels/prefill_worker.py, with llama.cpp's tiled kernel, pays from fewer): measured in one process on 2 threads (median
+    MIN_BLOCK. 0 for prompts under MIN_PROMPT tokens: measured in one process on 2 threads (median
     of 7, the two paths alternating), the fast path's prompt time against the exact path's is
     1.19 / 1.08 / 1.01 / 0.94 / 0.94 / 0.87 / 0.87 on Gemma 3 270M at 20 / 66 / 128 / 160 / 256 /
     400 / 512 tokens, and 1.28 / 1.13 / 1.06 / 1.03 / 1.00 / 0.94 / 0.92 on SmolLM2 at 20 / 66 /
     128 / 200 / 256 / 400 / 512 (its larger KV rows to hand over). (Earlier measurements that put
     the line at 128 timed the exact path while numpy's BLAS threads still spun after the fast
     path's hand-over: kernels/kvstate.py.)"""
-    return (n_prompt - 1) // MIN_BLOCK * MIN_BLOCK if n_prompt >= min_prompt else 0
+    return (n_prompt - 1) // MIN_BLOCK * MIN_BLOCK if n_prompt >= MIN_PROMPT else 0
 
 
 def fast_blocks(end: int) -> list[tuple[int, int]]:
@@ -84,10 +83,8 @@ class FastPrefill:
     and in self.logits the logits of its last token.
     """
 
-    def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int],
-                 min_prompt: int = MIN_PROMPT) -> None:
+    def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int]) -> None:
         self.model, self.n_ctx_max, self.n_threads, self.rot = model, n_ctx_max, n_threads, rot
-        self.min_prompt = min_prompt         # the shortest prompt it takes: fast_len(n, min_prompt)
         self.ctx: Context | None = None
         self.weights: Model | None = None    # the model its context runs: model.repacked(), or model
         self.tokens: list[int] = []          # the tokens whose blocks the fast context holds
@@ -128,14 +125,14 @@ class FastPrefill:
         self.ctx, self.tokens, self.blocks, self.n_tail, self.logits = None, [], [], 0, None
 
     def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | None:
-        """Evaluate prompt (int32 [n], n >= min_prompt): its head prompt[:fast_len(n)] as
+        """Evaluate prompt (int32 [n], n >= MIN_PROMPT): its head prompt[:fast_len(n)] as
         fast_blocks, reusing the leading blocks already held with the same bounds and tokens, then
         its tail (the last 1..MIN_BLOCK tokens; the last row's logits go to self.logits), and
         return seq 0's state re-encoded for the exact context (K rows in Q8_0). None when cancel()
         returned True between two decodes (the blocks done are kept). Raises KVStateError /
         LlamaError when the hand-over cannot work for this model."""
         need = len(prompt)
-        head, tail = prompt[:fast_len(need, self.min_prompt)], prompt[fast_len(need, self.min_prompt):]
+        head, tail = prompt[:fast_len(need)], prompt[fast_len(need):]
         assert len(head) and need < self.n_ctx_max, need
         if self.ctx is None or self.ctx.n_ctx < need:
             n_ctx = min(max(need, 2 * self.ctx.n_ctx if self.ctx else 0, BLOCK), self.n_ctx_max)   # n_batch <= n_ctx

@@ -50,11 +50,6 @@ TILED_TYPES = frozenset({"Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "I
                          "IQ3_S", "IQ1_S", "IQ1_M"})
 START_TIMEOUT_S = 300.0     # the child's load of the model (its file pages are this process's)
 POLL_S = 0.05               # how often the parent asks cancel() while the child evaluates
-# the shortest prompt it takes (prefill.fast_len): measured on Gemma 3 270M Q4_K_M, 2 threads, one
-# process, the paths alternating (median of 7), the worker's prompt time over the exact path's is
-# 1.03 / 0.95 / 0.93 / 0.88 / 0.90 / 0.89 at 66 / 98 / 128 / 160 / 200 / 256 tokens (in this process,
-# without the tiled kernel, the line is prefill.MIN_PROMPT, 256)
-MIN_PROMPT_WORKER = 96
 
 
 def uses_worker(model: Model) -> bool:
@@ -99,7 +94,6 @@ class PrefillWorker:
 
     def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int]) -> None:
         self.model, self.n_ctx_max, self.n_threads, self.rot = model, n_ctx_max, n_threads, rot
-        self.min_prompt = MIN_PROMPT_WORKER  # kept by the in-process FastPrefill it may fall back to
         self.proc: subprocess.Popen | None = None
         self.local: FastPrefill | None = None      # set once the child is gone: the work stays here
         self.n_evaluated = 0
@@ -131,7 +125,7 @@ class PrefillWorker:
     def _start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != TILED_ENV}
         cmd = [sys.executable, "-m", __name__, self.model.path, str(self.n_ctx_max), str(self.n_threads),
-               str(self.rot[0]), str(self.rot[1]), str(self.min_prompt)]
+               str(self.rot[0]), str(self.rot[1])]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         if not select.select([self.proc.stdout], [], [], START_TIMEOUT_S)[0]:
             raise _WorkerGone(f"it did not load the model within {START_TIMEOUT_S:.0f} s")
@@ -155,7 +149,7 @@ class PrefillWorker:
                 why = f"{e}" + (f"; exit status {code}" if code is not None else "")
                 log.warning("the fast prompt worker stopped (%s); fast prompts go on in this process", why)
                 self._kill()
-                self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot, self.min_prompt)
+                self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot)
             except BaseException:
                 # interrupted mid-request (Ctrl-C in cancel(), a signal): its answer may still come,
                 # or come in part, so the pipe is out of step; the next prompt starts another worker
@@ -229,8 +223,8 @@ class PrefillWorker:
 
 
 def _child_main(argv: list[str]) -> int:
-    """`python -m specrun.kernels.prefill_worker MODEL N_CTX_MAX N_THREADS ROT_K ROT_V MIN_PROMPT`."""
-    path, n_ctx_max, n_threads, rot_k, rot_v, min_prompt = argv[0], *map(int, argv[1:6])
+    """`python -m specrun.kernels.prefill_worker MODEL N_CTX_MAX N_THREADS ROT_K ROT_V`."""
+    path, n_ctx_max, n_threads, rot_k, rot_v = argv[0], *map(int, argv[1:5])
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the parent's to handle
     rd, wr = os.fdopen(0, "rb", buffering=0), os.fdopen(1, "wb", buffering=0)
     sys.stdout = sys.stderr                  # nothing else may write into the protocol
@@ -240,7 +234,7 @@ def _child_main(argv: list[str]) -> int:
     except Exception as e:                   # noqa: BLE001 - reported to the parent, which goes on without us
         _send(wr, {"ok": False, "error": str(e)})
         return 1
-    fast = FastPrefill(model, n_ctx_max, n_threads, (rot_k, rot_v), min_prompt)
+    fast = FastPrefill(model, n_ctx_max, n_threads, (rot_k, rot_v))
     _send(wr, {"ok": True, "weights_mib": model.repacked_mib})
     current = 0
 

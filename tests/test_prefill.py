@@ -41,12 +41,6 @@ def test_fast_len_all_but_the_last_tokens(n, want):
     assert fast_len(n) == 0 or n - fast_len(n) <= MIN_BLOCK
 
 
-@pytest.mark.parametrize(("n", "want"), [(95, 0), (96, 64), (128, 64), (129, 128), (255, 192), (256, 192)])
-def test_fast_len_from_a_lower_line(n, want):
-    """The fast prompt worker's line (kernels/prefill_worker.MIN_PROMPT_WORKER, 96): the same blocks."""
-    assert fast_len(n, 96) == want
-
-
 @pytest.mark.parametrize(("end", "want"), [
     (0, []),
     (64, [(0, 64)]),

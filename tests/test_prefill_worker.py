@@ -23,7 +23,7 @@ from specrun.kernels.engine import Engine
 from specrun.kernels.llama import Model
 from specrun.kernels.params import EngineParams, SpecParams
 from specrun.kernels.prefill import FastPrefill, fast_len
-from specrun.kernels.prefill_worker import MIN_PROMPT_WORKER, PrefillWorker, uses_worker
+from specrun.kernels.prefill_worker import PrefillWorker, uses_worker
 from specrun.kernels.types import SamplingParams
 
 pytestmark = [pytest.mark.slow,
@@ -98,7 +98,7 @@ def test_result_depends_on_the_tokens_only(engine):
     _run(e, P["two_blocks"][:1100], 4)
     other_tail = np.concatenate([prompt[:-1], prompt[-2:-1]])
     got = _run(e, other_tail)
-    assert got[2].n_prompt == e.fast.n_evaluated == len(prompt) - fast_len(len(prompt), e.fast.min_prompt)
+    assert got[2].n_prompt == e.fast.n_evaluated == len(prompt) - fast_len(len(prompt))
     e.reset()                                                          # forgets the worker's blocks too
     assert _run(e, prompt)[:2] == ref[:2] and e.fast.n_evaluated == len(prompt)
     assert e.fast.pid == pid                                           # one worker for the engine's life
@@ -199,20 +199,3 @@ def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine):
             list(e.generate(prompt, 4, GREEDY, cancel=interrupt))
         assert e.fast.pid is None and not _alive(pid) and e.fast.local is None
         assert _run(e, prompt)[:2] == ref and e.fast.pid not in (None, pid)
-
-
-def test_the_worker_takes_shorter_prompts(engine):
-    """From MIN_PROMPT_WORKER (96) tokens, where in this process the line is 256: a 100-token prompt
-    goes through the worker (a 64-token block, then its 36-token tail), a 95-token one does not; and
-    speculative output still equals plain decoding after such a prompt."""
-    e, P = engine
-    assert e.fast.min_prompt == MIN_PROMPT_WORKER == 96 and fast_len(96, 96) == 64 and fast_len(95, 96) == 0
-    for n, want in ((95, 0), (96, 96), (100, 100), (160, 160)):
-        e.reset()
-        assert _run(e, P["two_blocks"][:n], 2)[2].n_prompt_fast == want, n
-    prompt = P["two_blocks"][:120]
-    e.reset()
-    plain = _run(e, prompt, 40, spec=SpecParams(verify="match"))
-    ngram = _run(e, prompt, 40, spec=SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16,
-                                                verify="match"))
-    assert plain[2].n_prompt_fast == 120 and ngram[:2] == plain[:2]

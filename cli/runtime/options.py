@@ -119,9 +119,8 @@ def model_options(f):
                   help="llama.cpp's fastest kernels; verify logits may then differ from one-token decoding")
     @click.option("--fast-prefill/--no-fast-prefill", "fast_prefill", default=True, show_default=True,
                   help="exact mode: evaluate a prompt of 256+ tokens with repacked weights and "
-                       "an F16 KV cache (llama.cpp's fast kernels), then hand it to the exact context; in a child "
-                       "process, from 96 tokens, for a file with K-quant matrices llama.cpp does not repack; off saves "
-                       "the repacked copy's, that cache's and that process's memory")
+                       "an F16 KV cache (llama.cpp's fast kernels), then hand it to the exact context; off saves "
+                       "the repacked copy's and that cache's memory")
     @click.option("--rpc", "rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
                   help="put the model's layers on these RPC workers (`specrun rpc-worker`, llama.cpp's rpc-server); "
                        "draft models stay on this machine")
