@@ -199,3 +199,16 @@ def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine):
             list(e.generate(prompt, 4, GREEDY, cancel=interrupt))
         assert e.fast.pid is None and not _alive(pid) and e.fast.local is None
         assert _run(e, prompt)[:2] == ref and e.fast.pid not in (None, pid)
+
+
+def test_server_slots_share_the_in_process_twin(gemma_path):
+    """-np 2: a worker per slot would hold a repacked copy of the weights per slot, so the slots share
+    the model's in-process twin; one slot (and one-shot runs, chat) take the worker."""
+    from specrun.cli.runtime.loading import open_engines
+    for n, kind in ((2, FastPrefill), (1, PrefillWorker)):
+        engines = open_engines(str(gemma_path), PARAMS, n)
+        try:
+            assert [type(e.fast) for e in engines] == [kind] * n
+        finally:
+            for e in reversed(engines):
+                e.close()

@@ -128,6 +128,10 @@ def open_engines(model: str, params: EngineParams, n: int = 1) -> list[Engine]:
     """n engines over one loaded model (the first owns it; server slots share it), with a transient
     status line on stderr. See prepare() for the checks."""
     path, params = prepare(model, params)
+    if n > 1 and params.prefill_worker is None:
+        # a prompt worker per slot would hold a repacked copy of the weights per slot: the slots
+        # share the model's in-process twin instead (kernels/prefill_worker.py)
+        params = replace(params, prefill_worker=False)
     label = f"loading {path.name}" + (f" ({n} slots)" if n > 1 else "")
     with exit_on_interrupt(), err_console.status(label, spinner="dots"):
         engines = [Engine(str(path), params)]
