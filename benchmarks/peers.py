@@ -463,6 +463,14 @@ def measure_group(model: str, path: str, setting: Setting, group: list[str], min
     return [r for s in group for r in kept[s]], done
 
 
+def write_results(out: str | Path, data: dict, md: str) -> None:
+    """A benchmark's numbers as JSON at `out` and its markdown table next to it (.md), and the table on stdout."""
+    out = Path(out)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.with_suffix(".md").write_text(md)
+    print(md)
+
+
 def git_state() -> tuple[str, list[str]]:
     """(HEAD's short commit, the tracked files changed since it): what a results file was measured at."""
     def git(*a: str) -> str:

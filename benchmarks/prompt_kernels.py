@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers import PROMPTS, RESULTS, cpu_model, git_state  # noqa: E402
+from peers import PROMPTS, RESULTS, cpu_model, git_state, write_results  # noqa: E402
 
 TILED_ENV = "GGML_CPU_TILED_MM"
 SETTINGS = {"tiled on": None, "tiled off": "0"}   # setting: the variable's value (None: unset)
@@ -109,11 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[prompt-kernels] {model} {s}: " + ", ".join(f"{x:.0f}" for x in got["tok_s"]) + " tok/s",
                       file=sys.stderr, flush=True)
         data["models"][model] = r
-    out = Path(args.out)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    md = markdown(data)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(args.out, data, markdown(data))
 
 
 if __name__ == "__main__":

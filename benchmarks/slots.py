@@ -21,7 +21,6 @@ for one request's speed and for the two requests' sum. Writes the JSON and a mar
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -30,7 +29,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers import PROMPTS, RESULTS, ROOT, complete, cpu_model, free_port, git_state, model_path, serving  # noqa: E402
+from peers import (  # noqa: E402
+    PROMPTS,
+    RESULTS,
+    ROOT,
+    complete,
+    cpu_model,
+    free_port,
+    git_state,
+    model_path,
+    serving,
+    write_results,
+)
 
 PHASES = ("alone", "at once", "after")
 
@@ -115,11 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         common = ["-m", path, "-t", str(args.threads), "-c", "4096", "-np", "2", "--host", "127.0.0.1", "--port", str(port)]
         cmd = [args.specrun, "serve", *common] if system == "specrun" else [args.llama_server, *common]
         data["systems"][system] = measure(cmd, ROOT / "build" / "peers" / "logs" / f"slots-{system}.log", prompt, args)
-    out = Path(args.out)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    md = markdown(data)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(args.out, data, markdown(data))
 
 
 if __name__ == "__main__":
