@@ -82,14 +82,23 @@ class GenStats:
         return self.n_prompt / self.t_prompt_s if self.t_prompt_s > 0 else 0.0
 
     @property
+    def n_gen_steps(self) -> int:
+        """Tokens the generation's passes made: n_gen less the first, which comes from the prompt's
+        logits (llama-server's n_gen_steps(): its predicted_per_second counts these, over the time
+        from the first token to the last)."""
+        return max(self.n_gen - 1, 0)
+
+    @property
     def gen_tps(self) -> float:
-        return self.n_gen / self.t_gen_s if self.t_gen_s > 0 else 0.0
+        """Generation tokens/s as llama-server's predicted_per_second: n_gen_steps / t_gen_s
+        (t_gen_s runs from the first token, sampled from the prompt's logits, to the last)."""
+        return self.n_gen_steps / self.t_gen_s if self.t_gen_s > 0 else 0.0
 
     @property
     def tokens_per_pass(self) -> float:
         """Tokens emitted per target pass during generation (the first token comes from the
         prompt pass, so it is not counted)."""
-        return (self.n_gen - 1) / self.n_target_passes if self.n_target_passes else 0.0
+        return self.n_gen_steps / self.n_target_passes if self.n_target_passes else 0.0
 
     def lines(self) -> list[str]:
         """The statistics in llama.cpp's own words."""
@@ -123,7 +132,8 @@ class GenStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, n_drafted=self.n_drafted, n_accepted=self.n_accepted,
-                 prompt_tps=self.prompt_tps, gen_tps=self.gen_tps, tokens_per_pass=self.tokens_per_pass)
+                 prompt_tps=self.prompt_tps, gen_tps=self.gen_tps, tokens_per_pass=self.tokens_per_pass,
+                 n_gen_steps=self.n_gen_steps)
         for dd, ds in zip(d["drafters"], self.drafters, strict=True):
             dd.update(mean_acc_len=ds.mean_acc_len, acc_rate_per_pos=ds.acc_rate_per_pos)
         return d

@@ -23,6 +23,7 @@ from specrun.cli.server.limits import TemplateTimeout, time_limited
 from specrun.cli.server.metrics import Metrics
 from specrun.cli.server.middleware import Gate, Guard
 from specrun.cli.server.slots import Busy, Job, Outcome, Run, ShuttingDown, SlotPool
+from specrun.cli.server.state import ServerState
 from specrun.kernels.chat_template import ChatTemplate
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams
@@ -114,6 +115,17 @@ def test_metrics_text():
     assert {"specrun_requests_abandoned_total 1", "specrun_requests_preparing 1"} <= lines
     assert m.n_finished == 1
 
+
+
+def test_timings_count_tokens_per_second_as_llama_server():
+    """predicted_per_second is llama-server's: the tokens after the first (which the prompt's logits
+    give) over the time from the first token to the last; so 128 tokens in 1.27 s read 100 tok/s."""
+    st = GenStats(n_prompt=40, n_gen=128, t_prompt_s=0.08, t_gen_s=1.27, n_target_passes=50)
+    t = ServerState.timings(Outcome("x", [1] * 128, "limit", "", 0, st))
+    assert t["predicted_n"] == 128 and t["predicted_per_second"] == pytest.approx(100.0)
+    assert t["predicted_per_token_ms"] == pytest.approx(10.0) and t["prompt_per_second"] == pytest.approx(500.0)
+    assert st.tokens_per_pass == pytest.approx(127 / 50)
+    assert GenStats(n_gen=1, t_gen_s=0.0).gen_tps == 0.0 and GenStats(n_gen=1, t_gen_s=1e-6).gen_tps == 0.0
 
 # ---- shutdown of the slot pool -------------------------------------------------------------------
 

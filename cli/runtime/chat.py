@@ -236,6 +236,7 @@ class SessionStats:
     n_prompt: int = 0          # prompt tokens evaluated
     n_prompt_total: int = 0    # prompt tokens, reused from the KV cache or not
     n_gen: int = 0
+    n_gen_steps: int = 0       # of n_gen, those after each turn's first (GenStats.n_gen_steps)
     t_prompt_s: float = 0.0
     t_gen_s: float = 0.0
     n_gen_drafts: int = 0
@@ -247,6 +248,7 @@ class SessionStats:
         self.n_prompt += st.n_prompt
         self.n_prompt_total += st.n_prompt_total
         self.n_gen += st.n_gen
+        self.n_gen_steps += st.n_gen_steps
         self.t_prompt_s += st.t_prompt_s
         self.t_gen_s += st.t_gen_s
         self.n_gen_drafts += sum(d.n_gen_drafts for d in st.drafters)
@@ -263,7 +265,8 @@ class SessionStats:
 
     @property
     def gen_tps(self) -> float:
-        return self.n_gen / self.t_gen_s if self.t_gen_s > 0 else 0.0
+        """As GenStats.gen_tps: tokens after each turn's first over the turns' generation time."""
+        return self.n_gen_steps / self.t_gen_s if self.t_gen_s > 0 else 0.0
 
     def lines(self) -> list[str]:
         out = [f"session: {self.turns} answers, prompt eval {self.n_prompt} tokens "

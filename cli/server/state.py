@@ -304,7 +304,7 @@ class ServerState:
         return {"prompt_n": st.n_prompt, "prompt_ms": pm,
                 "prompt_per_token_ms": pm / st.n_prompt if st.n_prompt else 0.0,
                 "prompt_per_second": st.prompt_tps, "predicted_n": st.n_gen, "predicted_ms": gm,
-                "predicted_per_token_ms": gm / st.n_gen if st.n_gen else 0.0,
+                "predicted_per_token_ms": gm / st.n_gen_steps if st.n_gen_steps else 0.0,
                 "predicted_per_second": st.gen_tps, "draft_n": st.n_drafted, "draft_n_accepted": st.n_accepted,
                 "drafts": sum(d.n_gen_drafts for d in st.drafters)}
 
