@@ -167,7 +167,7 @@ class _Loader(threading.Thread):
 
         kw, opt, params = self.kw, self.options, self.params
         auto = params.spec.types == AUTO
-        engines = open_engines(kw["model"], params, opt["parallel"])
+        engines = open_engines(kw["model"], params, opt["parallel"], start_prefill=True)
         pool = SlotPool(engines, opt["max_queue"])
         if params.placement is not None:   # a worker lost: fail those requests, keep answering (kernels/rpc.py)
             from specrun.kernels import rpc

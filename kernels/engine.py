@@ -39,7 +39,7 @@ from .draftlen import DraftLength, PassCost
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import EngineParams, SpecParams
 from .prefill import FastPrefill, fast_len
-from .prefill_worker import PrefillWorker, uses_worker
+from .prefill_worker import PrefillHandle, PrefillWorker, SharedPrefill, uses_worker
 from .sampling import sample
 from .stats import DrafterStats, GenStats
 from .types import (
@@ -114,8 +114,11 @@ def _free_proposals(d: Drafter) -> bool:
 class Engine:
     """A target model and context, plus the drafters of the chosen spec types."""
 
-    def __init__(self, model_path: str, params: EngineParams | None = None, *, model: Model | None = None) -> None:
-        """model: an already loaded Model to share (server slots); the engine then does not close it."""
+    def __init__(self, model_path: str, params: EngineParams | None = None, *, model: Model | None = None,
+                 prefill: SharedPrefill | None = None) -> None:
+        """model: an already loaded Model to share (server slots); the engine then does not close it.
+        prefill: another engine's prompt worker to share (share_prefill()), where this engine takes
+        the fast prompt path."""
         self.params = params = params or EngineParams()
         spec = params.spec
         # draft-mtp reads the heads of the main GGUF, or of -md HEADS.gguf when no draft model / EAGLE-3 uses -md
@@ -146,15 +149,18 @@ class Engine:
             # prompts of MIN_PROMPT+ tokens: all of them through the fast prompt context (repacked
             # weights, F16 KV), handed over to the exact context; not for MTP (hidden rows) nor
             # recurrent memory
-            self.fast: FastPrefill | PrefillWorker | None = None
+            self.fast: FastPrefill | PrefillWorker | PrefillHandle | None = None
             if (params.exact and params.fast_prefill and not self.mtp_enabled
                     and params.placement is None      # over RPC the state copy would cross the network
                     and "draft-eagle3" not in spec.types   # EAGLE-3 reads every position's rows too
                     and not self.model.recurrent):
                 # in a child process where the file has matrices llama.cpp's tiled kernel takes
                 worker = params.prefill_worker if params.prefill_worker is not None else uses_worker(self.model)
-                self.fast = (PrefillWorker if worker else FastPrefill)(self.model, self.n_ctx, params.n_threads,
-                                                                       self.ctx.kv_rot)
+                if prefill is not None and worker:
+                    self.fast = prefill.handle()
+                else:
+                    self.fast = (PrefillWorker if worker else FastPrefill)(self.model, self.n_ctx, params.n_threads,
+                                                                           self.ctx.kv_rot)
             self._restored = 0   # the prompt length the exact context was loaded with by a hand-over; 0: none
             self._prompt_logits: np.ndarray | None = None   # float32 [n_vocab]: that prompt's last logits
             self.pass_cost = PassCost()   # t(rows) of this engine's target passes (adaptive draft length)
@@ -223,6 +229,24 @@ class Engine:
         self.pass_cost = PassCost()
         self.target = replace(self.target, ctx=self.ctx)
         log.info("target context made again with %d recurrent-state snapshots (rollback depth)", n_rs_seq)
+
+    def start_prefill(self) -> None:
+        """Start the prompt worker now, if this engine has one (a server, at load), rather than at
+        the first long prompt."""
+        w = self.fast.worker if isinstance(self.fast, PrefillHandle) else self.fast
+        if isinstance(w, PrefillWorker):
+            w.start()
+
+    def share_prefill(self) -> SharedPrefill | None:
+        """This engine's prompt worker made shareable (Engine(..., prefill=) for the other slots over
+        the same model), or None when it has none (its fast prompt context, if any, stays its own)."""
+        if isinstance(self.fast, PrefillHandle):
+            return self.fast.shared
+        if not isinstance(self.fast, PrefillWorker):
+            return None
+        shared = SharedPrefill(self.fast)
+        self.fast = shared.handle()
+        return shared
 
     def close(self) -> None:
         for d in self.__dict__.get("_drafters", {}).values():

@@ -33,6 +33,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -54,9 +55,10 @@ POLL_S = 0.05               # how often the parent asks cancel() while the child
 # in 0.38 s once per model. So it keeps prefill.MIN_PROMPT's line (256 tokens), though with the tiled
 # kernel the fast path's prompt time over the exact path's is already 1.03 / 0.95 / 0.93 / 0.88 at
 # 66 / 98 / 128 / 160 tokens on Gemma 3 270M (one process, alternating, median of 7): a one-shot run's
-# first prompt of 98 tokens took 719 ms through a worker against 170 ms on the exact path. And server
-# slots over one model (-np > 1) share the in-process twin (cli/runtime/loading.py): a worker per slot
-# would hold a repacked copy of the weights per slot.
+# first prompt of 98 tokens took 719 ms through a worker against 170 ms on the exact path. A server
+# starts its worker with the model (start()), so that no request waits for it; its slots (-np > 1)
+# share one worker (SharedPrefill), one prompt at a time: a worker per slot would hold a repacked
+# copy of the weights per slot.
 
 
 def uses_worker(model: Model) -> bool:
@@ -142,6 +144,22 @@ class PrefillWorker:
         self.weights_mib = float(hdr["weights_mib"])
         log.info("fast prompts in a child process (pid %d, tiled matmul on)", self.proc.pid)
 
+    def start(self) -> None:
+        """Start the child now rather than at the first long prompt (a server, at load, so that no
+        request waits for it); if it cannot start, one warning and the work stays in this process."""
+        if self.local is None and self.proc is None:
+            try:
+                self._start()
+            except (_WorkerGone, OSError, ValueError) as e:
+                self._stay_here(e)
+
+    def _stay_here(self, e: BaseException) -> None:
+        code = self.proc.poll() if self.proc is not None else None
+        why = f"{e}" + (f"; exit status {code}" if code is not None else "")
+        log.warning("the fast prompt worker stopped (%s); fast prompts go on in this process", why)
+        self._kill()
+        self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot)
+
     def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | bytearray | None:
         """As FastPrefill.state."""
         if self.local is None:
@@ -152,11 +170,7 @@ class PrefillWorker:
             except (KVStateError, LlamaError):
                 raise                # the worker's answer, read whole: the pipe is in step
             except (_WorkerGone, OSError, ValueError) as e:
-                code = self.proc.poll() if self.proc is not None else None
-                why = f"{e}" + (f"; exit status {code}" if code is not None else "")
-                log.warning("the fast prompt worker stopped (%s); fast prompts go on in this process", why)
-                self._kill()
-                self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot)
+                self._stay_here(e)
             except BaseException:
                 # interrupted mid-request (Ctrl-C in cancel(), a signal): its answer may still come,
                 # or come in part, so the pipe is out of step; the next prompt starts another worker
@@ -227,6 +241,83 @@ class PrefillWorker:
     def __del__(self) -> None:
         if self.proc is not None:
             self._kill()
+
+
+class SharedPrefill:
+    """One PrefillWorker for the engines of a server's slots over one model (-np > 1): one repacked
+    copy of the weights and one child for them all, one prompt at a time (a prompt already takes
+    every thread). handle() gives each engine FastPrefill's interface; the blocks held serve every
+    slot (a prompt's result is a function of its tokens alone); the last handle closed ends the
+    worker."""
+
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+        self.lock = threading.Lock()
+        self.users = 0
+
+    def handle(self) -> PrefillHandle:
+        self.users += 1
+        return PrefillHandle(self)
+
+
+class PrefillHandle:
+    """An engine's share of a SharedPrefill: state() waits for the worker (polling cancel() every
+    POLL_S: None if it says stop) and keeps that prompt's numbers (logits, n_evaluated, kv_mib,
+    weights_mib, process_mib) for its engine, whatever the other slots ask next."""
+
+    def __init__(self, shared: SharedPrefill) -> None:
+        self.shared: SharedPrefill | None = shared
+        self.n_evaluated = 0
+        self.kv_mib = self.weights_mib = self.process_mib = 0.0
+        self.logits: np.ndarray | None = None
+
+    @property
+    def worker(self) -> PrefillWorker:
+        if self.shared is None:
+            raise RuntimeError("this engine's share of the prompt worker was closed")
+        return self.shared.worker
+
+    @property
+    def pid(self) -> int | None:
+        return self.worker.pid
+
+    @property
+    def local(self) -> FastPrefill | None:
+        return self.worker.local
+
+    def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | bytearray | None:
+        """As FastPrefill.state, after the other slots' prompts."""
+        lock = self.shared.lock if self.shared is not None else None
+        if lock is None:
+            raise RuntimeError("this engine's share of the prompt worker was closed")
+        while not lock.acquire(timeout=POLL_S):
+            if cancel():
+                return None
+        try:
+            w = self.worker
+            got = w.state(prompt, cancel)
+            self.logits = None if got is None or w.logits is None else w.logits.copy()
+            self.n_evaluated, self.kv_mib, self.weights_mib, self.process_mib = (
+                w.n_evaluated, w.kv_mib, w.weights_mib, w.process_mib)
+            return got
+        finally:
+            lock.release()
+
+    def forget(self) -> None:
+        """Drop the blocks held: every slot's (they are shared)."""
+        if self.shared is not None:
+            with self.shared.lock:
+                self.shared.worker.forget()
+        self.logits = None
+
+    def close(self) -> None:
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            shared.users -= 1
+            if shared.users == 0:
+                with shared.lock:
+                    shared.worker.close()
+        self.logits = None
 
 
 def _child_main(argv: list[str]) -> int:

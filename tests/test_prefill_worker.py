@@ -201,14 +201,65 @@ def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine):
         assert _run(e, prompt)[:2] == ref and e.fast.pid not in (None, pid)
 
 
-def test_server_slots_share_the_in_process_twin(gemma_path):
-    """-np 2: a worker per slot would hold a repacked copy of the weights per slot, so the slots share
-    the model's in-process twin; one slot (and one-shot runs, chat) take the worker."""
+def test_server_slots_share_one_worker_started_at_load(gemma_path, engine):
+    """-np 2: the slots share one worker (one repacked copy of the weights), which a server starts
+    with the model; each slot's results are those of an engine of its own, also when both slots
+    evaluate prompts at once; closing one slot leaves it to the other, closing both ends it."""
+    import threading
+
     from specrun.cli.runtime.loading import open_engines
-    for n, kind in ((2, FastPrefill), (1, PrefillWorker)):
-        engines = open_engines(str(gemma_path), PARAMS, n)
-        try:
-            assert [type(e.fast) for e in engines] == [kind] * n
-        finally:
-            for e in reversed(engines):
-                e.close()
+    e0, P = engine
+    refs = {}
+    for k in ("two_blocks", "one_block"):
+        e0.reset()
+        refs[k] = _run(e0, P[k])[:2]
+    engines = open_engines(str(gemma_path), PARAMS, 2, start_prefill=True)
+    try:
+        a, b = engines
+        assert type(a.fast) is type(b.fast) is prefill_worker.PrefillHandle and a.fast.shared is b.fast.shared
+        pid = a.fast.pid
+        assert pid is not None and _alive(pid)                        # started at load
+        assert _run(b, P["two_blocks"])[:2] == refs["two_blocks"]
+        got: dict[str, tuple] = {}
+
+        def work(e: Engine, k: str) -> None:
+            e.reset()
+            got[k] = _run(e, P[k])
+
+        threads = [threading.Thread(target=work, args=(a, "one_block")),
+                   threading.Thread(target=work, args=(b, "two_blocks"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert {k: v[:2] for k, v in got.items()} == refs
+        # the blocks one slot evaluated serve the other
+        a.reset()
+        b.reset()
+        assert _run(a, P["two_blocks"])[2].n_prompt_fast == len(P["two_blocks"])
+        st = _run(b, P["one_block"])[2]
+        assert 0 < st.n_prompt_fast < len(P["one_block"]) - 256
+        # a slot waiting for the worker still stops when asked
+        b.reset()
+        with a.fast.shared.lock:
+            gen = b.generate(P["one_block"], 4, GREEDY, cancel=lambda: True)
+            assert [t for c in gen for t in c] == [] and gen.stats.stop == "interrupted"
+        b.close()                                                      # (a owns the model: closed last)
+        a.reset()
+        assert _alive(pid) and _run(a, P["one_block"])[:2] == refs["one_block"] and a.fast.pid == pid
+    finally:
+        for e in reversed(engines):
+            e.close()
+    assert not _alive(pid)
+
+
+def test_one_shot_engines_start_the_worker_at_the_first_long_prompt(gemma_path):
+    """Without start_prefill (run, chat): a short prompt never pays the worker's start."""
+    from specrun.cli.runtime.loading import open_engines
+    (e,) = open_engines(str(gemma_path), PARAMS, 1)
+    try:
+        assert type(e.fast) is PrefillWorker and e.fast.pid is None
+        _run(e, e.tokenize("Hello there"), 2)
+        assert e.fast.pid is None
+    finally:
+        e.close()

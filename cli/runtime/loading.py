@@ -124,20 +124,21 @@ def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
     return path, replace(params, exact_caveat=float_weight_caveat(spec) if params.exact else None)
 
 
-def open_engines(model: str, params: EngineParams, n: int = 1) -> list[Engine]:
-    """n engines over one loaded model (the first owns it; server slots share it), with a transient
-    status line on stderr. See prepare() for the checks."""
+def open_engines(model: str, params: EngineParams, n: int = 1, *, start_prefill: bool = False) -> list[Engine]:
+    """n engines over one loaded model (the first owns it; server slots share it, and its prompt
+    worker, if it has one: kernels/prefill_worker.py), with a transient status line on stderr.
+    start_prefill: start that worker now (a server) rather than at the first long prompt. See
+    prepare() for the checks."""
     path, params = prepare(model, params)
-    if n > 1 and params.prefill_worker is None:
-        # a prompt worker per slot would hold a repacked copy of the weights per slot: the slots
-        # share the model's in-process twin instead (kernels/prefill_worker.py)
-        params = replace(params, prefill_worker=False)
     label = f"loading {path.name}" + (f" ({n} slots)" if n > 1 else "")
     with exit_on_interrupt(), err_console.status(label, spinner="dots"):
         engines = [Engine(str(path), params)]
         try:
+            shared = engines[0].share_prefill() if n > 1 else None
             for _ in range(n - 1):
-                engines.append(Engine(str(path), params, model=engines[0].model))
+                engines.append(Engine(str(path), params, model=engines[0].model, prefill=shared))
+            if start_prefill:
+                engines[0].start_prefill()
         except BaseException:
             for e in reversed(engines):
                 e.close()
