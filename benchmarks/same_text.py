@@ -140,7 +140,7 @@ def peers_x_none(requests: list[dict], workload: str) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peers", default=str(ROOT / "benchmarks" / "results" / "peers.json"))
-    ap.add_argument("--workloads", default="code-rewrite,verbatim,json-table,summary,chat-reuse,code-rewrite-smollm2")
+    ap.add_argument("--workloads", default="free,code-rewrite,verbatim,json-table,summary,chat-reuse,code-rewrite-smollm2")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "same_text.json"))
