@@ -231,10 +231,10 @@ class Engine:
         log.info("target context made again with %d recurrent-state snapshots (rollback depth)", n_rs_seq)
 
     def start_prefill(self) -> None:
-        """Start the prompt worker now, if this engine has one (a server, at load), rather than at
-        the first long prompt."""
+        """Start the prompt worker, or load the in-process fast context's repacked twin, now (a
+        server, at load) rather than at the first long prompt."""
         w = self.fast.worker if isinstance(self.fast, PrefillHandle) else self.fast
-        if isinstance(w, PrefillWorker):
+        if w is not None:
             w.start()
 
     def share_prefill(self) -> SharedPrefill | None:

@@ -104,6 +104,10 @@ class FastPrefill:
         """The repacked weights' memory (shared with the other engines over the same model)."""
         return self.weights.repacked_mib if self.weights is not None else 0.0
 
+    def start(self) -> None:
+        """Load the repacked twin now (a server, at load) rather than at the first long prompt."""
+        self._weights()
+
     def _weights(self) -> Model:
         if self.weights is None:
             try:

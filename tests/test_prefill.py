@@ -179,6 +179,9 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
         assert st.fast_weights_mib > 0
     other = Engine(fast.model.path, fast.params, model=fast.model)
     try:
+        assert other.fast.weights is None
+        other.start_prefill()                      # a server's slot: the twin at load, not at a prompt
+        assert other.fast.weights is fast.fast.weights
         _run(other, P["two_blocks"], 1)
         assert other.fast.weights is fast.fast.weights
     finally:
