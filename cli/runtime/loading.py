@@ -127,8 +127,8 @@ def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
 def open_engines(model: str, params: EngineParams, n: int = 1, *, start_prefill: bool = False) -> list[Engine]:
     """n engines over one loaded model (the first owns it; server slots share it, and its prompt
     worker, if it has one: kernels/prefill_worker.py), with a transient status line on stderr.
-    start_prefill: start that worker now (a server) rather than at the first long prompt. See
-    prepare() for the checks."""
+    start_prefill: start that worker, or load the in-process fast context's repacked twin, now (a
+    server) rather than at the first long prompt. See prepare() for the checks."""
     path, params = prepare(model, params)
     label = f"loading {path.name}" + (f" ({n} slots)" if n > 1 else "")
     with exit_on_interrupt(), err_console.status(label, spinner="dots"):
