@@ -281,20 +281,14 @@ class PrefillHandle:
     def pid(self) -> int | None:
         return self.worker.pid
 
-    @property
-    def local(self) -> FastPrefill | None:
-        return self.worker.local
-
     def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | bytearray | None:
         """As FastPrefill.state, after the other slots' prompts."""
-        lock = self.shared.lock if self.shared is not None else None
-        if lock is None:
-            raise RuntimeError("this engine's share of the prompt worker was closed")
+        w = self.worker                          # (raises once this share is closed)
+        lock = self.shared.lock
         while not lock.acquire(timeout=POLL_S):
             if cancel():
                 return None
         try:
-            w = self.worker
             got = w.state(prompt, cancel)
             self.logits = None if got is None or w.logits is None else w.logits.copy()
             self.n_evaluated, self.kv_mib, self.weights_mib, self.process_mib = (
