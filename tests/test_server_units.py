@@ -22,7 +22,7 @@ from specrun.cli.serve_cmd import exposure_warning, listen_socket
 from specrun.cli.server.limits import TemplateTimeout, time_limited
 from specrun.cli.server.metrics import Metrics
 from specrun.cli.server.middleware import Gate, Guard
-from specrun.cli.server.slots import Busy, Job, Outcome, Run, ShuttingDown, SlotPool
+from specrun.cli.server.slots import STREAM_EVERY_S, Busy, Job, Outcome, Pieces, Run, ShuttingDown, SlotPool
 from specrun.cli.server.state import ServerState
 from specrun.kernels.chat_template import ChatTemplate
 from specrun.kernels.engine import Engine
@@ -417,3 +417,23 @@ def test_guard_turns_an_exception_into_a_json_500():
     assert status == 500 and "connection" not in headers
     assert json.loads(body)["error"]["code"] == "internal_error"
 
+
+
+def test_streamed_pieces_go_out_at_once_then_at_most_every_interval_and_none_is_lost():
+    now = [100.0]
+    sent: list[str] = []
+    p = Pieces(sent.append, clock=lambda: now[0])
+    p("Once")                              # the first piece: at once
+    assert sent == ["Once"]
+    for piece in (" upon", " a"):          # sooner than the interval: held
+        now[0] += STREAM_EVERY_S / 4
+        p(piece)
+    assert sent == ["Once"]
+    now[0] += STREAM_EVERY_S               # the interval is over: the held pieces go with this one
+    p(" time")
+    assert sent == ["Once", " upon a time"]
+    now[0] += STREAM_EVERY_S / 10
+    p(",")
+    p.flush()                              # the run's end: what is held goes out
+    p.flush()                              # nothing held: nothing sent
+    assert sent == ["Once", " upon a time", ","]
