@@ -418,7 +418,6 @@ def test_guard_turns_an_exception_into_a_json_500():
     assert json.loads(body)["error"]["code"] == "internal_error"
 
 
-
 def test_streamed_pieces_go_out_at_once_then_at_most_every_interval_and_none_is_lost():
     now = [100.0]
     sent: list[str] = []

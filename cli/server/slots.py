@@ -41,13 +41,13 @@ from ..runtime.text import TextRun
 
 log = logging.getLogger(__name__)
 
-# Completion.stop -> llama-server's stop_type
 # a streamed job's text goes to the event loop at most this often (its first piece at once): every
 # piece wakes the loop, and its event's work takes CPU from the decode's threads. With an event per
 # token, /completion streamed 8 % slower than unstreamed on the 24-layer synthetic llama target
 # (about 150 tokens/s, 2 threads on 2 cores; median of 11 alternating pairs); with 25 ms, 1.00
 STREAM_EVERY_S = 0.025
 
+# Completion.stop -> llama-server's stop_type
 _STOP_TYPE = {"eog": "eos", "turn": "eos", "word": "word", "interrupted": "interrupted",
               "n_predict": "limit", "ctx": "limit"}
 
