@@ -61,11 +61,13 @@ class FrozenCost(PassCost):
         self.rows.append(rows)
 
 
-def measure_curve(e: Engine) -> dict[int, list[float]]:
-    """{rows: [n, median seconds]} of target passes of 1, 2, 4, ..., 33 rows at a 200-token depth
+CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33)
+
+
+def measure_curve(e: Engine, rows: tuple[int, ...] = CURVE_ROWS) -> dict[int, list[float]]:
+    """{rows: [n, median seconds]} of target passes of each of `rows` rows at a 200-token depth
     (kernels/calibrate's verify-cost rounds, interleaved, 5 reps)."""
-    vc = measure_verify_cost(e, e.tokenize("The quick brown fox jumps over the lazy dog. " * 20),
-                             rows=(1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33))
+    vc = measure_verify_cost(e, e.tokenize("The quick brown fox jumps over the lazy dog. " * 20), rows=rows)
     return {r: [32, t] for r, t in zip(vc.rows, vc.s, strict=True)}
 
 

@@ -37,23 +37,20 @@ from pathlib import Path
 import numpy as np
 
 from specrun.gguf_spec.registry import resolve_model
-from specrun.kernels.calibrate import measure_verify_cost
 from specrun.kernels.drafters.ngram_simple import NgramSimple
-from specrun.kernels.draftlen import DraftLength, PassCost
+from specrun.kernels.draftlen import DraftLength
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams
-from specrun.kernels.types import SamplingParams, common_prefix
+from specrun.kernels.types import common_prefix
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))    # run from anywhere: the scripts import each other
+from draft_length import CURVE_ROWS, GREEDY, PROMPTS, WORKLOADS, FrozenCost, measure_curve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ROOT / "benchmarks" / "prompts"
 CACHE = ROOT / "build" / "draft_length_replay" / "texts.json"
 GEMMA, SMOLLM2 = "gemma-3-270m", "smollm2-135m-instruct"
-PEERS = {   # name: (model, prompt file), as in benchmarks/peers.py
-    "free": (GEMMA, "free.txt"), "code-rewrite": (GEMMA, "code_rewrite.txt"), "verbatim": (GEMMA, "verbatim_source.txt"),
-    "json-table": (GEMMA, "json_table.txt"), "long-prompt": (GEMMA, "long_prompt.txt"),
-    "summary": (SMOLLM2, "summary_quotes.txt"), "chat-reuse": (SMOLLM2, "chat_reuse.txt"),
-    "code-rewrite-smollm2": (SMOLLM2, "code_rewrite.txt"), "long-prompt-smollm2": (SMOLLM2, "long_prompt.txt")}
-CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33, 40, 49)
+PEERS = {**WORKLOADS, "long-prompt": (GEMMA, "long_prompt.txt"), "long-prompt-smollm2": (SMOLLM2, "long_prompt.txt")}
+REPLAY_ROWS = (*CURVE_ROWS, 40, 49)   # up to size-m 48
 EXACT_CAP = 62     # the engine's longest draft in exact mode (kernels/engine.py n_max_cap)
 
 
@@ -126,7 +123,7 @@ def replay(prompt: list[int], gen: list[int], curve: dict[int, float], size_m: i
     """The engine's loop (kernels/engine.py Engine._run) for one ngram-simple drafter, greedy, on a
     known text: prompt, then gen (the model's own tokens; gen[0] comes from the prompt's pass).
     curve: {rows: seconds}, frozen. Returns the passes' rows and their modeled seconds."""
-    cost = _Frozen(curve)
+    cost = FrozenCost({r: [32, t] for r, t in curve.items()})
     d = NgramSimple(size_n, size_m)
     d.begin(np.asarray(prompt, dtype=np.int32))
     dl = DraftLength(min(size_m, EXACT_CAP), adaptive, 0 if adaptive else 1)
@@ -151,7 +148,7 @@ def replay(prompt: list[int], gen: list[int], curve: dict[int, float], size_m: i
 def foresight(prompt: list[int], gen: list[int], curve: dict[int, float], size_m: int, size_n: int = 3) -> float:
     """Modeled seconds when each pass drafts, of the ngram-simple proposal, the k <= (tokens of it the
     text accepts) with the most tokens per second for that pass."""
-    cost = _Frozen(curve)
+    cost = FrozenCost({r: [32, t] for r, t in curve.items()})
     d = NgramSimple(size_n, size_m)
     d.begin(np.asarray(prompt, dtype=np.int32))
     text, ctx, t = prompt + gen, prompt + gen[:1], 0.0
@@ -166,18 +163,6 @@ def foresight(prompt: list[int], gen: list[int], curve: dict[int, float], size_m
     return t
 
 
-class _Frozen(PassCost):
-    """t(r) from a fixed table of {rows: seconds}; record() changes nothing."""
-
-    __slots__ = ()
-
-    def __init__(self, curve: dict[int, float]) -> None:
-        super().__init__({int(r): [32, s] for r, s in curve.items()})
-
-    def record(self, rows: int, seconds: float) -> None:
-        pass
-
-
 def texts(names: dict[str, tuple[str, str]], n: int, threads: int) -> tuple[dict, dict]:
     """({name: {model, prompt, gen}}, {model: curve}): cached greedy `none` texts, and each model's
     pass-cost curve measured now."""
@@ -185,15 +170,14 @@ def texts(names: dict[str, tuple[str, str]], n: int, threads: int) -> tuple[dict
     got, curves = {}, {}
     for model in dict.fromkeys(m for m, _ in names.values()):
         with Engine(str(resolve_model(model)), EngineParams(n_ctx=4096, n_threads=threads)) as e:
-            vc = measure_verify_cost(e, e.tokenize("The quick brown fox jumps over the lazy dog. " * 20), rows=CURVE_ROWS)
-            curves[model] = dict(zip(vc.rows, vc.s, strict=True))
+            curves[model] = {r: t for r, (_, t) in measure_curve(e, REPLAY_ROWS).items()}
             for w, (m, text) in names.items():
                 if m != model:
                     continue
                 k = _key(model, text, n)
                 if k not in cache:
                     prompt = e.tokenize(text)
-                    gen = e.generate(prompt, n, SamplingParams(temp=0.0))
+                    gen = e.generate(prompt, n, GREEDY)
                     cache[k] = {"prompt": prompt.tolist(), "gen": [t for c in gen for t in c]}
                     print(f"[replay] {w}: {len(prompt)} prompt tokens, {len(cache[k]['gen'])} generated", file=sys.stderr)
                 got[w] = dict(cache[k], model=model)
