@@ -269,7 +269,7 @@ class DraftLength:
                 best, out = v, toks[:k]
         return out
 
-    def score(self, ctx_tokens: list[int], cost: PassCost) -> None:
+    def score(self, ctx_tokens: Sequence[int], cost: PassCost) -> None:
         """Score the pending proposal once the emitted text ctx_tokens decides it (a mismatch, or
         all of it matched), as a draft of its length from its position in its copy."""
         if self.shadow is not None:
@@ -281,7 +281,7 @@ class DraftLength:
                 self.shadow, self.run_end = None, p0 + len(toks) if n_ok == len(toks) else -1
 
 
-def score_shadow(sh: tuple[int, np.ndarray], ctx_tokens: list[int]) -> tuple[int, bool]:
+def score_shadow(sh: tuple[int, np.ndarray], ctx_tokens: Sequence[int]) -> tuple[int, bool]:
     """(tokens of the pending proposal (p0, tokens) that the emitted text ctx_tokens[p0:] matches,
     whether that is final: a mismatch, or the whole draft matched)."""
     p0, toks = sh

@@ -23,6 +23,7 @@ already in the cache only evaluates the new tokens (chat turns, server slots).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import random
 import time
@@ -370,7 +371,12 @@ class Engine:
                 lp.append(token_logprob(logits, id_last, n_top))
             t_gen0 = time.perf_counter()
             st.t_prompt_s = t_gen0 - t0
-            ctx_tokens = [*prompt.tolist(), id_last]
+            # the text so far, int32 [n_text] in a buffer for the whole context: drafters and the draft
+            # lengths read views of it, which appending never changes; appended to through ctypes
+            # (numpy's slice assignment costs more right after a decode)
+            text_c = (ctypes.c_int32 * (self.n_ctx + 1))()
+            text, n_text = np.ctypeslib.as_array(text_c), len(prompt) + 1
+            text[:n_text - 1], text[n_text - 1] = prompt, id_last
             n_emitted = 1
             if self.model.is_eog(id_last) or limit == 1:
                 st.stop = "eog" if self.model.is_eog(id_last) else "n_predict"
@@ -383,7 +389,7 @@ class Engine:
                 k_cap = min(limit - n_emitted - 1, self.n_ctx - n_past - 2)   # llama-server's n_draft_max
                 if self.model.recurrent and (replay or not ckpt_ok):   # what the context can roll back
                     k_cap = min(k_cap, self.ctx.params.n_rs_seq, self.n_max_cap - len(replay))
-                draft, which = self._propose(drafters, np.asarray(ctx_tokens, dtype=np.int32), k_cap, lens,
+                draft, which = self._propose(drafters, text[:n_text], k_cap, lens,
                                              spec.n_min, st)
                 vp = None
                 if cons is not None:     # cut at the first token the constrained target cannot emit
@@ -401,8 +407,8 @@ class Engine:
                     st.drafters[which].record(len(draft), verdict.n_accepted)
                     lens[which].record(len(draft), verdict.n_accepted, self.pass_cost)
                 n_past += verdict.n_accepted + 1
-                id_last = int(verdict.tokens[-1])
-                out = [int(t) for t in verdict.tokens]
+                out = verdict.tokens.tolist()
+                id_last = out[-1]
                 for j, t in enumerate(out):
                     if self.model.is_eog(t):
                         out, st.stop = out[:j + 1], "eog"
@@ -412,9 +418,10 @@ class Engine:
                 if lp is not None:       # row j of the verify pass is the distribution of emitted token j
                     rows = self.ctx.logits_rows()
                     lp.extend(token_logprob(rows[j], t, n_top) for j, t in enumerate(out))
-                ctx_tokens.extend(out)
+                text_c[n_text:n_text + len(out)] = out
+                n_text += len(out)
                 for dl in lens:                  # the pending proposals the new tokens decide
-                    dl.score(ctx_tokens, self.pass_cost)
+                    dl.score(text[:n_text], self.pass_cost)
                 if cons is not None:
                     cons.accept(out)
                 n_emitted += len(out)
@@ -494,10 +501,7 @@ class Engine:
         front of the next pass (at positions n_past - len(replay)..; output rows only from id_last
         on, and drafters see only those), as llama-server replays them. Returns (verdict, replay)."""
         k, r = len(draft), len(replay)
-        batch = np.empty(r + k + 1, dtype=np.int32)
-        batch[:r] = replay
-        batch[r] = id_last
-        batch[r + 1:] = draft.tokens
+        batch = [*replay, id_last, *draft.tokens.tolist()] if k else [*replay, id_last]
         ckpt = self.model.recurrent and k > self.ctx.params.n_rs_seq
         if ckpt:
             self.ctx.checkpoint()
@@ -508,16 +512,17 @@ class Engine:
         verdict = verify(draft, rows if vp is None else vp.rows(rows), sampling, n_past + 1,
                          verify_mode(spec, sampling, draft))
         n_keep = verdict.n_accepted + 1
-        tp = self._target_pass(batch, n_past - r, r + n_keep, r)
-        for d in drafters:
-            d.accept(tp)
+        if drafters:
+            tp = self._target_pass(np.asarray(batch, dtype=np.int32), n_past - r, r + n_keep, r)
+            for d in drafters:
+                d.accept(tp)
         if n_keep < k + 1 and ckpt and k + 1 - n_keep > self.ctx.params.n_rs_seq:
             self.ctx.restore()                    # back to n_past - r; the logits rows stay
-            return verdict, batch[:r + n_keep].tolist()
+            return verdict, batch[:r + n_keep]
         if n_keep < k + 1 and not self.ctx.seq_rm(n_past + n_keep, -1):
             raise LlamaError(f"could not roll the KV cache back to {n_past + n_keep} tokens after a partial "
                              f"accept ({verdict.n_accepted}/{k}); n_rs_seq = {self.ctx.params.n_rs_seq}")
-        self.kv_tokens.extend(batch[:r + n_keep].tolist())
+        self.kv_tokens.extend(batch[:r + n_keep])
         return verdict, []
 
     def _target_pass(self, tokens: np.ndarray, pos0: int, n_keep: int, skip: int = 0) -> TargetPass:

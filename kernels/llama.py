@@ -134,6 +134,27 @@ _EXT = {  # name: (mangled symbol, argtypes, restype)
 _ext_fns: dict = {}
 
 
+def _addr_fn(fn):
+    """The C function behind the bound ctypes function fn, returning its pointer as an int (None
+    for NULL): the per-token getters below skip ctypes' POINTER objects and numpy's as_array, which
+    cost tens of microseconds a call right after a decode has flushed the caches."""
+    return ctypes.CFUNCTYPE(ctypes.c_void_p, *fn.argtypes)(ctypes.cast(fn, ctypes.c_void_p).value)
+
+
+_views: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _view(addr: int, n: int, width: int) -> np.ndarray:
+    """float32 [n, width] over llama.cpp's memory at addr (not a copy). llama.cpp's output buffers
+    keep their address from decode to decode, so the views are kept, keyed by address and shape."""
+    v = _views.get((addr, n, width))
+    if v is None:
+        if len(_views) >= 4096:
+            _views.clear()
+        v = _views[addr, n, width] = np.ctypeslib.as_array((ctypes.c_float * (n * width)).from_address(addr)).reshape(n, width)
+    return v
+
+
 def _ext(name: str):
     """The bound llama-ext.h function `name` (bound on first use)."""
     f = _ext_fns.get(name)
@@ -147,6 +168,12 @@ def _ext(name: str):
         f.argtypes, f.restype = argtypes, restype
         _ext_fns[name] = f
     return f
+
+
+_logits_ith = _addr_fn(L.llama_get_logits_ith)
+_nextn = _addr_fn(X.llama_get_embeddings_nextn)
+_nextn_ith = _addr_fn(X.llama_get_embeddings_nextn_ith)
+_layer_inp = _addr_fn(_ext("llama_get_embeddings_layer_inp"))
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -207,7 +234,7 @@ class Model:
         self.bos = int(L.llama_vocab_bos(self.vocab))
         self.eos = int(L.llama_vocab_eos(self.vocab))
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
-        self._eog = np.array([bool(L.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)])
+        self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         self._pieces: dict[int, bytes] = {}
 
     @property
@@ -312,7 +339,7 @@ class Model:
         return b"".join(self.piece(int(t)) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(self._eog[token])
+        return token in self._eog
 
     def chat_template(self) -> str | None:
         p = L.llama_model_chat_template(self.ptr, None)
@@ -417,13 +444,14 @@ class Context:
         for i in range(self.n_batch):
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
-        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
-        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
-        self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)),
-                                          shape=(self.n_batch,))
+        self._tok, self._pos, self._out = b.token, b.pos, b.logits   # decode() writes them row by row
         self.n_outputs = 0
         self.n_rows = 0
         self._bext = None  # extended batch (MTP rows carrying hidden states), made on first use
+        # decode_with_hidden's rows: the batch's embd pointer, and the row width llama.cpp reads
+        # from a batch of tokens with rows (an MTP context: n_embd_out; else n_embd_inp)
+        self._batch_embd = ctypes.c_void_p.from_buffer(self._batch, L.llama_batch.embd.offset)
+        self._hidden_width = model.n_embd_out if params.mtp else int(L.llama_model_n_embd_inp(model.ptr))
         self._ckpt: _Checkpoint | None = None          # checkpoint(): the draft checkpoint
         self._prompt_ckpts: list[_Checkpoint] = []     # checkpoint(prompt=True), oldest first
         self.layer_inp: tuple[int, ...] = ()   # layers whose inputs every decode exports (EAGLE-3)
@@ -469,13 +497,14 @@ class Context:
         if pos0 + n > self.n_ctx:
             raise LlamaError(f"the context is full ({pos0 + n} tokens needed, ctx {self.n_ctx}); "
                              "raise -c or shorten the prompt")
-        self._tok[:n] = tokens
-        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         first = 0 if logits == "all" else n - 1 if logits == "last" else n if logits == "none" else int(logits)
         if not 0 <= first <= n:
             raise LlamaError(f"output rows from {first} of a batch of {n}")
-        self._out[:first] = 0
-        self._out[first:n] = 1
+        tok, pos, out = self._tok, self._pos, self._out
+        for j in range(n):   # ctypes writes: right after a decode, numpy's calls cost more than a verify pass's rows
+            tok[j] = tokens[j]
+            pos[j] = pos0 + j
+            out[j] = j >= first
         self._batch.n_tokens = n
         rc = L.llama_decode(self.ptr, self._batch)
         if rc != 0:
@@ -489,24 +518,18 @@ class Context:
         A view into llama.cpp's buffer: valid until the next decode on this context."""
         if self.n_outputs == 0:
             raise LlamaError("the last decode produced no logits")
-        first = L.llama_get_logits_ith(self.ptr, self.n_rows - self.n_outputs)
+        first = _logits_ith(self.ptr, self.n_rows - self.n_outputs)
         if not first:
             raise LlamaError("llama_get_logits_ith returned NULL")
-        return np.ctypeslib.as_array(first, shape=(self.n_outputs, self.n_vocab))
+        return _view(first, self.n_outputs, self.n_vocab)
 
     def nextn_rows(self) -> np.ndarray:
         """float32 [n_rows, n_embd_out]: the hidden rows the MTP heads read, one per token of the
         last decode (contexts created with nextn="all"). A view, valid until the next decode."""
-        p = X.llama_get_embeddings_nextn(self.ptr)
+        p = _nextn(self.ptr)
         if not p:
             raise LlamaError("llama_get_embeddings_nextn returned NULL (nextn export not enabled)")
-        return np.ctypeslib.as_array(p, shape=(self.n_rows, self.model.n_embd_out))
-
-    def nextn_ith(self, i: int) -> np.ndarray:
-        p = X.llama_get_embeddings_nextn_ith(self.ptr, i)
-        if not p:
-            raise LlamaError(f"llama_get_embeddings_nextn_ith({i}) returned NULL")
-        return np.ctypeslib.as_array(p, shape=(self.model.n_embd_out,))
+        return _view(p, self.n_rows, self.model.n_embd_out)
 
     def export_layer_inputs(self, layers) -> None:
         """From the next decode on, export the input of each of these layers (the residual stream
@@ -531,10 +554,10 @@ class Context:
         for k, x in enumerate(layers):
             if x not in self.layer_inp:
                 raise LlamaError(f"layer {x}'s inputs are not exported by this context")
-            p = _ext("llama_get_embeddings_layer_inp")(self.ptr, x)
+            p = _layer_inp(self.ptr, x)
             if not p:
                 raise LlamaError(f"llama_get_embeddings_layer_inp({x}) returned NULL")
-            out[:, k * E:(k + 1) * E] = np.ctypeslib.as_array(p, shape=(self.n_rows, E))
+            out[:, k * E:(k + 1) * E] = _view(p, self.n_rows, E)
         return out
 
     def encode_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -547,23 +570,26 @@ class Context:
         be = self._batch_ext()
         base = rows.ctypes.data
         pos0 = self.pos_max() + 1     # placeholders the batch check accepts (the encoder reads none)
+        pos, embd = (L.llama_pos * 4)(), L.llama_embd(None, 1, width)   # llama.cpp copies both in
+        data = ctypes.c_void_p.from_buffer(embd, L.llama_embd.data.offset)
         for s in range(0, n, self.n_ubatch):
             m = min(self.n_ubatch, n - s)
             L.llama_batch_ext_clear(be)
             for j in range(m):
-                row = ctypes.cast(base + 4 * width * (s + j), _FLOAT_P)
-                idx = L.llama_batch_ext_add_embd(be, 0, L.llama_embd(row, 1, width))
+                data.value = base + 4 * width * (s + j)
+                idx = L.llama_batch_ext_add_embd(be, 0, embd)
                 if idx < 0:
                     raise LlamaError(f"llama_batch_ext_add_embd failed at row {s + j} ({idx})")
-                L.llama_batch_ext_set_pos(be, idx, (L.llama_pos * 4)(pos0 + j, 0, 0, 0))
+                pos[0] = pos0 + j
+                L.llama_batch_ext_set_pos(be, idx, pos)
                 L.llama_batch_ext_set_output_logits(be, idx, True)
             rc = L.llama_process(self.ptr, L.LLAMA_PROCESS_TYPE_ENCODE, be)
             if rc != 0:
                 raise LlamaError(f"llama_process (encode) returned {rc} for {m} rows of width {width}{_reason()}")
-            p = X.llama_get_embeddings_nextn(self.ptr)
+            p = _nextn(self.ptr)
             if not p:
                 raise LlamaError("the encoder exported no rows (llama_get_embeddings_nextn returned NULL)")
-            out[s:s + m] = np.ctypeslib.as_array(p, shape=(m, self.model.n_embd_out))
+            out[s:s + m] = _view(p, m, self.model.n_embd_out)
         return out
 
     def _batch_ext(self):
@@ -694,30 +720,27 @@ class Context:
         own hidden row) as decode(): logits = "all", "last" or "none". An EAGLE-3 draft's decoder
         takes the same rows: (x_{p+1}, g_p) at position p, g its fused target features or its own
         pre-norm state."""
-        n = len(tokens)
-        if n == 0:
-            return
-        if n > self.n_batch:
-            raise LlamaError(f"batch of {n} tokens exceeds n_batch {self.n_batch}")
         hidden = np.ascontiguousarray(hidden, dtype=np.float32)
-        if hidden.shape != (n, self.model.n_embd_out):
-            raise LlamaError(f"hidden rows {hidden.shape} do not match ({n}, {self.model.n_embd_out})")
-        be = self._batch_ext()
-        L.llama_batch_ext_clear(be)
-        E = self.model.n_embd_out
-        base = hidden.ctypes.data
-        fptr = ctypes.POINTER(ctypes.c_float)
-        for j in range(n):
-            idx = L.llama_batch_ext_add_token(be, 0, int(tokens[j]))
-            if idx < 0:
-                raise LlamaError(f"llama_batch_ext_add_token failed at row {j}")
-            L.llama_batch_ext_set_pos(be, idx, (L.llama_pos * 4)(pos0 + j, 0, 0, 0))
-            row = ctypes.cast(base + 4 * E * j, fptr)
-            if not L.llama_batch_ext_set_embd_token(be, idx, L.llama_embd(row, 1, E)):
-                raise LlamaError("llama_batch_ext_set_embd_token failed")
-            L.llama_batch_ext_set_output_logits(be, idx, logits == "all" or (logits == "last" and j == n - 1))
-        rc = L.llama_process(self.ptr, L.LLAMA_PROCESS_TYPE_DECODE, be)
-        if rc != 0:
-            raise LlamaError(f"llama_process returned {rc} for {n} MTP rows at position {pos0} (ctx {self.n_ctx})")
-        self.n_rows = n
-        self.n_outputs = n if logits == "all" else (1 if logits == "last" else 0)
+        if hidden.shape != (len(tokens), self._hidden_width):
+            raise LlamaError(f"hidden rows {hidden.shape} do not match ({len(tokens)}, {self._hidden_width})")
+        self._decode_rows(tokens, pos0, hidden.ctypes.data, logits)
+
+    def decode_chained(self, token: int, pos: int) -> None:
+        """decode_with_hidden of one row (token, pos) whose hidden row is this context's own row 0
+        of its last decode: the next step of an MTP or EAGLE-3 draft, which feeds a
+        step's state to the next. Logits for the row. It reads the row where llama.cpp keeps it
+        (copied into the batch before the decode overwrites it): no numpy call between two steps."""
+        p = _nextn_ith(self.ptr, 0)
+        if not p:
+            raise LlamaError("llama_get_embeddings_nextn_ith(0) returned NULL (nextn export not enabled)")
+        self._decode_rows((token,), pos, p, "last")
+
+    def _decode_rows(self, tokens, pos0: int, rows: int, logits: str) -> None:
+        """decode() of tokens with hidden rows float32 [n, _hidden_width] at address `rows`:
+        llama_decode takes a batch with both tokens and rows (its compat path builds the same
+        llama_batch_ext entries the extended API would, row by row) and copies the rows in."""
+        self._batch_embd.value = rows
+        try:
+            self.decode(tokens, pos0, logits)
+        finally:
+            self._batch_embd.value = None     # llama_batch_free would free it

@@ -196,7 +196,7 @@ def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:
     sparse candidates, which gives the same id. Deterministic in (logits, params, pos).
     """
     if params.greedy:
-        return int(np.argmax(logits))
+        return int(logits.argmax())
     ids, probs = _candidates(np.asarray(logits, dtype=np.float32), params)
     i = int(inverse_cdf(probs, position_rng(params.seed, pos).random()))
     return i if ids is None else int(ids[i])

@@ -68,10 +68,13 @@ class Draft:
 
     @staticmethod
     def empty() -> Draft:
-        return Draft(np.zeros(0, dtype=np.int32), None)
+        return _EMPTY_DRAFT
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+
+_EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ def draft_token(logits: np.ndarray, sampling: SamplingParams | None, p_min: floa
         q = transform(logits, sampling)                                # [n_vocab] float64
         u = position_rng(sampling.seed, pos, _DRAFT_STREAM).random()
         return int(inverse_cdf(q, u)), q.astype(np.float32)
-    tok, p = softmax_max(logits) if p_min > 0 else (int(np.argmax(logits)), 1.0)
+    tok, p = softmax_max(logits) if p_min > 0 else (int(logits.argmax()), 1.0)
     return (None, None) if p < p_min else (tok, None)
 
 

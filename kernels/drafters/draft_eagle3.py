@@ -92,13 +92,16 @@ class DraftEagle3:
         if p0 + n_keep > len(self.G):
             self.G = np.resize(self.G, (max(2 * len(self.G), p0 + n_keep), self.E))
         self.G[p0:p0 + n_keep] = self.ctx.encode_rows(tp.features[:n_keep])
-        self.toks.extend(int(t) for t in tp.tokens[:n_keep])
+        self.toks.extend(tp.tokens[:n_keep].tolist())
         self._write_rows(p0)
 
     def _write_rows(self, p_new: int) -> None:
-        """Bring the draft KV to rows 0..len(toks)-2; the g of positions >= p_new are new."""
+        """Bring the draft KV to rows 0..len(toks)-2; the g of positions >= p_new are new. The rows
+        below p_new - 1 are unchanged (accept() replaced the text from p_new on), so the rows are
+        compared with the text from there: a pass costs what it adds, not the context's length."""
         want = len(self.toks) - 1
-        keep = min(common_prefix(self.rows, self.toks[1:]), p_new, want)
+        lo = max(0, min(p_new - 1, len(self.rows)))
+        keep = min(lo + common_prefix(self.rows[lo:], self.toks[lo + 1:]), p_new, want)
         if len(self.rows) > keep:
             if not self.ctx.seq_rm(keep, -1):
                 raise SpecrunError(f"EAGLE-3 context could not roll back to {keep} tokens")
@@ -120,15 +123,15 @@ class DraftEagle3:
         if len(self.rows) != n_past - 1:
             return Draft.empty()
         tok = int(ctx[-1])
-        g = self.G[n_past - 1: n_past]           # g_{n_past - 1}: [1, E]
         d = DraftTokens(self.opts.sampling, self.opts.p_min)
         for i in range(n_max):
-            self.ctx.decode_with_hidden([tok], n_past - 1 + i, g, logits="last")
-            if i == 0:
-                self.rows.append(tok)            # the boundary row (id_last, g_{n_past-1}) stays
+            if i == 0:     # the boundary row (id_last, g_{n_past-1}) stays
+                self.ctx.decode_with_hidden([tok], n_past - 1, self.G[n_past - 1: n_past], logits="last")
+                self.rows.append(tok)
+            else:          # (d_i, the last row's pre-norm state)
+                self.ctx.decode_chained(tok, n_past - 1 + i)
             if (tok := d.add(self.ctx.logits_rows()[0], n_past + 1 + i)) is None:
                 break
-            g = self.ctx.nextn_ith(0).reshape(1, -1).copy()   # its pre-norm state: the next row's g
         if not self.ctx.seq_rm(n_past, -1):
             raise SpecrunError(f"EAGLE-3 context could not drop its draft rows after position {n_past}")
         return d.draft()

@@ -100,14 +100,15 @@ class DraftMTP:
         if n_max <= 0 or len(self.fed) != n_past or n_past + n_max >= self.ctx.n_ctx:
             return Draft.empty()
         tok = int(ctx[-1])
-        h = self.H[n_past: n_past + 1]           # h_{n_past - 1}, [1, E]
         d = DraftTokens(self.opts.sampling, self.opts.p_min)
         for i in range(n_max):
             self._head(i)
-            self.ctx.decode_with_hidden([tok], n_past + i, h, logits="last")
+            if i == 0:     # (id_last, h_{n_past - 1})
+                self.ctx.decode_with_hidden([tok], n_past, self.H[n_past: n_past + 1], logits="last")
+            else:          # (d_i, the last step's own hidden row)
+                self.ctx.decode_chained(tok, n_past + i)
             if (tok := d.add(self.ctx.logits_rows()[0], n_past + 1 + i)) is None:
                 break
-            h = self.ctx.nextn_ith(0).reshape(1, -1).copy()
         if not self.ctx.seq_rm(n_past, -1):
             raise SpecrunError(f"MTP context could not drop its draft rows after position {n_past}")
         return d.draft()
