@@ -125,7 +125,7 @@ _EXT = {  # name: (mangled symbol, argtypes, restype)
     "llama_set_embeddings_layer_inp": ("_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
                                        [L.llama_context_p_ctypes, ctypes.c_uint32, ctypes.c_bool], None),
     "llama_get_embeddings_layer_inp": ("_Z30llama_get_embeddings_layer_inpP13llama_contextj",
-                                       [L.llama_context_p_ctypes, ctypes.c_uint32], _FLOAT_P),
+                                       [L.llama_context_p_ctypes, ctypes.c_uint32], ctypes.c_void_p),   # an address
     "llama_model_target_layer_ids": ("_Z28llama_model_target_layer_idsPK11llama_model",
                                      [L.llama_model_p_ctypes], ctypes.POINTER(ctypes.c_int32)),
     "llama_model_target_layer_ids_n": ("_Z30llama_model_target_layer_ids_nPK11llama_model",
@@ -173,7 +173,6 @@ def _ext(name: str):
 _logits_ith = _addr_fn(L.llama_get_logits_ith)
 _nextn = _addr_fn(X.llama_get_embeddings_nextn)
 _nextn_ith = _addr_fn(X.llama_get_embeddings_nextn_ith)
-_layer_inp = _addr_fn(_ext("llama_get_embeddings_layer_inp"))
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -451,7 +450,7 @@ class Context:
         # decode_with_hidden's rows: the batch's embd pointer, and the row width llama.cpp reads
         # from a batch of tokens with rows (an MTP context: n_embd_out; else n_embd_inp)
         self._batch_embd = ctypes.c_void_p.from_buffer(self._batch, L.llama_batch.embd.offset)
-        self._hidden_width = model.n_embd_out if params.mtp else int(L.llama_model_n_embd_inp(model.ptr))
+        self.hidden_width = model.n_embd_out if params.mtp else int(L.llama_model_n_embd_inp(model.ptr))
         self._ckpt: _Checkpoint | None = None          # checkpoint(): the draft checkpoint
         self._prompt_ckpts: list[_Checkpoint] = []     # checkpoint(prompt=True), oldest first
         self.layer_inp: tuple[int, ...] = ()   # layers whose inputs every decode exports (EAGLE-3)
@@ -554,7 +553,7 @@ class Context:
         for k, x in enumerate(layers):
             if x not in self.layer_inp:
                 raise LlamaError(f"layer {x}'s inputs are not exported by this context")
-            p = _layer_inp(self.ptr, x)
+            p = _ext("llama_get_embeddings_layer_inp")(self.ptr, x)
             if not p:
                 raise LlamaError(f"llama_get_embeddings_layer_inp({x}) returned NULL")
             out[:, k * E:(k + 1) * E] = _view(p, self.n_rows, E)
@@ -721,8 +720,8 @@ class Context:
         takes the same rows: (x_{p+1}, g_p) at position p, g its fused target features or its own
         pre-norm state."""
         hidden = np.ascontiguousarray(hidden, dtype=np.float32)
-        if hidden.shape != (len(tokens), self._hidden_width):
-            raise LlamaError(f"hidden rows {hidden.shape} do not match ({len(tokens)}, {self._hidden_width})")
+        if hidden.shape != (len(tokens), self.hidden_width):
+            raise LlamaError(f"hidden rows {hidden.shape} do not match ({len(tokens)}, {self.hidden_width})")
         self._decode_rows(tokens, pos0, hidden.ctypes.data, logits)
 
     def decode_chained(self, token: int, pos: int) -> None:
@@ -736,7 +735,7 @@ class Context:
         self._decode_rows((token,), pos, p, "last")
 
     def _decode_rows(self, tokens, pos0: int, rows: int, logits: str) -> None:
-        """decode() of tokens with hidden rows float32 [n, _hidden_width] at address `rows`:
+        """decode() of tokens with hidden rows float32 [n, hidden_width] at address `rows`:
         llama_decode takes a batch with both tokens and rows (its compat path builds the same
         llama_batch_ext entries the extended API would, row by row) and copies the rows in."""
         self._batch_embd.value = rows

@@ -60,6 +60,11 @@ class DraftEagle3:
             self.ctx = Context(self.model, ContextParams(n_ctx=target.n_ctx, n_batch=target.n_batch,
                                                          n_threads=target.n_threads, nextn="outputs"),
                                ctx_other=target.ctx)
+            if self.ctx.hidden_width != self.model.n_embd_out:
+                self.ctx.close()
+                raise SpecrunError(f"{path}: its decoder rows are {self.model.n_embd_out} wide (n_embd_out) but "
+                                   f"llama.cpp's batches read {self.ctx.hidden_width} per row (n_embd_inp); specrun "
+                                   "cannot feed this draft, convert it with n_embd_out equal to n_embd")
         except BaseException:
             self.model.close()
             raise
