@@ -725,13 +725,16 @@ class Context:
         self._decode_rows(tokens, pos0, hidden.ctypes.data, logits)
 
     def decode_chained(self, token: int, pos: int) -> None:
-        """decode_with_hidden of one row (token, pos) whose hidden row is this context's own row 0
-        of its last decode: the next step of an MTP or EAGLE-3 draft, which feeds a
+        """decode_with_hidden of one row (token, pos) whose hidden row is this context's own row of
+        the last token of its last decode: the next step of an MTP or EAGLE-3 draft, which feeds a
         step's state to the next. Logits for the row. It reads the row where llama.cpp keeps it
-        (copied into the batch before the decode overwrites it): no numpy call between two steps."""
-        p = _nextn_ith(self.ptr, 0)
+        (copied into the batch before the decode overwrites it): no numpy call between two steps.
+        requires: nextn export on; with nextn="outputs", that token's row was an output and so was
+        every row before it (llama.cpp copies the first n_outputs rows its graph computed)."""
+        p = _nextn_ith(self.ptr, self.n_rows - 1)   # by batch index ("outputs": mapped to its output row)
         if not p:
-            raise LlamaError("llama_get_embeddings_nextn_ith(0) returned NULL (nextn export not enabled)")
+            raise LlamaError(f"llama_get_embeddings_nextn_ith({self.n_rows - 1}) returned NULL (nextn export "
+                             "not enabled, or that row was not an output)")
         self._decode_rows((token,), pos, p, "last")
 
     def _decode_rows(self, tokens, pos0: int, rows: int, logits: str) -> None:

@@ -188,6 +188,50 @@ def test_always_wrong_drafter_equals_plain(models, plain):
 
 
 @pytest.mark.slow
+def test_behind_an_ngram_drafter_it_catches_up(models, plain):
+    """Passes the n-gram drafter drafts for are not the EAGLE-3 draft's: it sees them only through
+    accept(), and writes their decoder rows with its next boundary row, in one batch of several rows
+    (llama.cpp's eagle3 graph hands back its first rows: the boundary's logits are the last row)."""
+    toks, ref = plain("exact")
+    with eagle3_engine(models, "exact") as e:
+        sp = SpecParams(types=("ngram-simple", "draft-eagle3"), n_max=3, ngram_size_n=2, ngram_size_m=4)
+        for name in ("short", "long"):
+            got, st = run(e, toks[name], 0.0, sp)
+            assert got == ref[(name, 0.0)], name
+            ngram, eagle3 = st.drafters
+            assert ngram.n_gen_drafts > 0 and eagle3.n_gen_drafts > 0, (name, ngram, eagle3)
+            assert eagle3.n_acc_tokens == eagle3.n_gen_tokens, name     # the exact head, caught up
+
+
+@pytest.mark.slow
+def test_draft_kv_equals_a_fresh_drafts(models):
+    """After generations that reuse, cut and skip its rows (a new prompt, one that differs in
+    a single token, partial accepts, passes an n-gram drafter drafted), the draft's KV holds what a fresh draft fed the same text in one
+    prompt holds: its next logits are bit-identical. The noisy head's attention reads that KV a
+    little (its noise is on attn_output too); the exact head's adds nothing, so the acceptance
+    checks above cannot show a stale row."""
+    def next_logits(d, text: list[int]) -> np.ndarray:
+        assert d.toks == text[:-1]
+        assert len(d.propose(np.asarray(text, dtype=np.int32), 2)) == 2   # the second step: chained
+        return d.ctx.logits_rows()[-1].copy()
+
+    sp = SpecParams(types=("ngram-simple", "draft-eagle3"), n_max=3, ngram_size_n=2, ngram_size_m=4)
+    with eagle3_engine(models, "noisy:0.2") as a, eagle3_engine(models, "noisy:0.2") as b:
+        short, long = (a.tokenize(PROMPTS[k]) for k in ("short", "long"))
+        run(a, short, 0.0, spec())
+        run(a, np.concatenate([short, long]), 0.0, sp)
+        _, st = run(a, long, 0.0, sp)
+        assert st.drafters[0].n_gen_drafts > 0 and 0 < st.drafters[1].n_acc_tokens < st.drafters[1].n_gen_tokens
+        other = long.copy()
+        other[1] = (other[1] + 1) % a.model.n_vocab   # the same tokens after it, with other features
+        run(a, other, 0.0, sp)
+        d = a.drafters_for(sp)[1]
+        text = [*d.toks, 7]
+        list(b.generate(d.toks, 1, SamplingParams(temp=0.0), spec=spec()))   # b's draft: the text as one prompt
+        assert np.array_equal(next_logits(d, text), next_logits(b.drafters[0], text))
+
+
+@pytest.mark.slow
 def test_conversation_reuse_and_rejection_sampling(models, plain):
     """A prompt that extends the cached one reuses the KV of both the target and the draft; at
     temperature 0.8 with verify auto the draft's distribution feeds rejection sampling."""

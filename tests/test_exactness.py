@@ -166,7 +166,7 @@ def mtp_models(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("mtp")
     return {head: build_test_model(d / f"{head}.gguf", SynthConfig(head=Head.parse(head)), "q8_0")
-            for head in ("exact", "random")}
+            for head in ("exact", "random", "noisy:0.3")}
 
 
 @pytest.mark.parametrize("head", ["exact", "random"])
@@ -187,6 +187,31 @@ def test_draft_mtp_equals_plain(mtp_models, head):
                         assert st.n_accepted == st.n_drafted, (name, n_max)
                     if head == "random" and temp == 0.0:
                         assert st.acceptance_rate < 0.2, (name, n_max)
+
+
+def test_draft_mtp_kv_equals_a_fresh_heads(mtp_models):
+    """After generations that reuse, cut and skip its rows (a new prompt, partial accepts, passes
+    an n-gram drafter drafted), the MTP KV holds what fresh heads fed the same text in one prompt
+    hold: the next draft's logits are bit-identical. The noisy head's attention reads that KV (the
+    exact head's adds nothing, so the acceptance checks cannot show a stale row), and its second
+    step reads the first one's own hidden row (the exact head's prediction reads only the token)."""
+    def next_logits(d, text: list[int]) -> np.ndarray:
+        assert d.toks == text[:-1]
+        assert len(d.propose(np.asarray(text, dtype=np.int32), 2)) == 2
+        return d.ctx.logits_rows()[0].copy()
+
+    both = spec(("ngram-simple", "draft-mtp"), 3, ngram_size_n=2, ngram_size_m=3)
+    params = EngineParams(n_ctx=2048, n_threads=1, spec=both)
+    with Engine(str(mtp_models["noisy:0.3"]), params) as a, Engine(str(mtp_models["noisy:0.3"]), params) as b:
+        short, long = (a.tokenize(t) for t in ("Hello world, this is a test.", "the quick brown fox " * 6))
+        run(a, short, 0.0, spec=spec(("draft-mtp",)))
+        run(a, np.concatenate([short, long]), 0.0, 96)
+        _, st = run(a, long, 0.0, 96)
+        assert st.drafters[0].n_gen_drafts > 0 and 0 < st.drafters[1].n_acc_tokens < st.drafters[1].n_gen_tokens
+        d = a.drafters_for(both)[1]
+        text = [*d.toks, 7]
+        list(b.generate(d.toks, 1, sampling(0.0), spec=spec(("draft-mtp",))))   # b's heads: the text as one prompt
+        assert np.array_equal(next_logits(d, text), next_logits(b.drafters_for(both)[1], text))
 
 
 HYBRID_PROMPT = "the quick brown fox jumps over the lazy dog " * 40      # past 256 tokens

@@ -13,9 +13,11 @@ Sequence as llama.cpp's common_speculative_impl_draft_eagle3 (common/speculative
   * Its output at position p predicts x_{p+2}; the row's pre-norm state (t_h_nextn) is the g of the
     next draft row (d_i, p + i). Its logits are the target's vocabulary wide: a draft whose head
     covers fewer tokens maps them through d2t inside llama.cpp's graph (the rest are -inf).
-  * accept(): the rows the target keeps get their g from the encoder and their decoder rows
-    (llama.cpp encodes the whole verify batch and drops the rejected rows; encoding only the kept
-    ones is equivalent). propose() drops its draft rows again.
+  * accept(): the rows the target keeps get their g from the encoder (llama.cpp encodes the whole
+    verify batch and drops the rejected rows; encoding only the kept ones is equivalent).
+    propose() then writes their decoder rows and the boundary row in one batch: it knows id_last,
+    where llama.cpp's accept() does not and decodes the boundary row as a draft step of its own
+    (one llama_decode fewer per pass here, same rows). It drops its draft rows again.
 Like draft-mtp it needs the target's rows of every prompt position, so an engine with draft-eagle3
 never takes the fast prompt path (kernels/prefill.py), whose handed-over KV state comes without them.
 """
@@ -73,6 +75,7 @@ class DraftEagle3:
         self.G = np.zeros((min(target.n_ctx, 1024), self.E), dtype=np.float32)  # [>= n_ctx seen, E]: G[p] = g_p
         self.toks: list[int] = []     # the target's tokens at positions 0..len-1, each with its g in G
         self.rows: list[int] = []     # the draft KV: row p holds (rows[p] = x_{p+1}, G[p]) at position p
+        self.p_new = 0                # G[p] for p >= p_new changed since the rows were written
         self.opts = DraftOptions()
 
     def close(self) -> None:
@@ -98,44 +101,43 @@ class DraftEagle3:
             self.G = np.resize(self.G, (max(2 * len(self.G), p0 + n_keep), self.E))
         self.G[p0:p0 + n_keep] = self.ctx.encode_rows(tp.features[:n_keep])
         self.toks.extend(tp.tokens[:n_keep].tolist())
-        self._write_rows(p0)
+        self.p_new = min(self.p_new, p0)
 
-    def _write_rows(self, p_new: int) -> None:
-        """Bring the draft KV to rows 0..len(toks)-2; the g of positions >= p_new are new. The rows
-        below p_new - 1 are unchanged (accept() replaced the text from p_new on), so the rows are
-        compared with the text from there: a pass costs what it adds, not the context's length."""
-        want = len(self.toks) - 1
-        lo = max(0, min(p_new - 1, len(self.rows)))
-        keep = min(lo + common_prefix(self.rows[lo:], self.toks[lo + 1:]), p_new, want)
+    def _write_rows(self, tok: int) -> None:
+        """Bring the draft KV to rows 0..n-1 (n = len(toks)), the last one the boundary row
+        (tok = id_last, G[n-1]), and leave that row's logits (the last row out). A row p is kept while its token
+        matches and its g is older than p_new; below p_new - 1 both hold (the text and the g from
+        p_new on are what changed), so only the rows from there are compared: a pass costs what it
+        adds, not the context's length. The boundary row is always decoded (its logits start the draft)."""
+        n = len(self.toks)
+        lo = max(0, min(self.p_new - 1, len(self.rows), n - 1))
+        want = self.toks[lo + 1:] + [tok]        # rows lo..n-1
+        keep = min(lo + common_prefix(self.rows[lo:], want), self.p_new, n - 1)
         if len(self.rows) > keep:
             if not self.ctx.seq_rm(keep, -1):
                 raise SpecrunError(f"EAGLE-3 context could not roll back to {keep} tokens")
             del self.rows[keep:]
-        nxt = np.asarray(self.toks[keep + 1:], dtype=np.int32)
+        nxt = np.asarray(want[keep - lo:], dtype=np.int32)
         for s in range(0, len(nxt), self.ctx.n_batch):
-            n = min(self.ctx.n_batch, len(nxt) - s)
-            self.ctx.decode_with_hidden(nxt[s:s + n], keep + s, self.G[keep + s:keep + s + n], logits="none")
-        self.rows.extend(int(t) for t in nxt)
+            m = min(self.ctx.n_batch, len(nxt) - s)
+            # all rows out: llama.cpp's eagle3 decoder graph selects no output rows (it computes
+            # every row's logits anyway) and hands back its first n_outputs rows
+            self.ctx.decode_with_hidden(nxt[s:s + m], keep + s, self.G[keep + s:keep + s + m],
+                                        logits="all" if s + m == len(nxt) else "none")
+        self.rows.extend(want[keep - lo:])
+        self.p_new = n
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         n_past = len(ctx) - 1                    # position of id_last
         if n_max <= 0 or n_past < 1 or len(self.toks) != n_past or n_past + n_max >= self.ctx.n_ctx:
             return Draft.empty()
-        if len(self.rows) >= n_past:             # a boundary row from an earlier propose()
-            if not self.ctx.seq_rm(n_past - 1, -1):
-                raise SpecrunError(f"EAGLE-3 context could not roll back to {n_past - 1} tokens")
-            del self.rows[n_past - 1:]
-        if len(self.rows) != n_past - 1:
-            return Draft.empty()
         tok = int(ctx[-1])
+        self._write_rows(tok)                    # rows 0..n_past-1, logits of the boundary row
         d = DraftTokens(self.opts.sampling, self.opts.p_min)
         for i in range(n_max):
-            if i == 0:     # the boundary row (id_last, g_{n_past-1}) stays
-                self.ctx.decode_with_hidden([tok], n_past - 1, self.G[n_past - 1: n_past], logits="last")
-                self.rows.append(tok)
-            else:          # (d_i, the last row's pre-norm state)
+            if i > 0:      # (d_i, the last row's pre-norm state)
                 self.ctx.decode_chained(tok, n_past - 1 + i)
-            if (tok := d.add(self.ctx.logits_rows()[0], n_past + 1 + i)) is None:
+            if (tok := d.add(self.ctx.logits_rows()[-1], n_past + 1 + i)) is None:
                 break
         if not self.ctx.seq_rm(n_past, -1):
             raise SpecrunError(f"EAGLE-3 context could not drop its draft rows after position {n_past}")

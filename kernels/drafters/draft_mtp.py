@@ -3,10 +3,13 @@
 Sequence as llama.cpp's common_speculative_impl_draft_mtp (common/speculative.cpp):
   * The MTP row at position p carries token x_p and the target's hidden row h_{p-1} (its
     final-norm output); its logits predict x_{p+1}. h_{-1} is zeros.
-  * accept(tp): every target pass (prompt chunks and verify passes) feeds the MTP context the
-    positions the target keeps, with their hidden rows, so the MTP KV covers the whole sequence.
-  * propose(): from (id_last, n_past, h_{n_past-1}) chain the MTP's own hidden row through up to
-    n_max steps, then drop the draft rows from the MTP KV again.
+  * accept(tp): every target pass (prompt chunks and verify passes) hands over the positions the
+    target keeps, with their hidden rows, so the MTP KV covers the whole sequence.
+  * propose(): writes the MTP rows of those positions and (id_last, n_past, h_{n_past-1}) in one
+    batch, then chains the MTP's own hidden row through up to n_max steps and drops the draft rows
+    from the MTP KV again; the row of id_last stays (the next pass's first kept row is the same).
+    llama.cpp's accept() writes the kept rows, and its draft loop evaluates id_last's row again
+    each pass: here one llama_decode and one row fewer per pass, the same rows.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from llama_cpp import llama_cpp_ext as X
 from specrun.gguf_spec.errors import SpecrunError
 
 from ..llama import Context, ContextParams, Model
-from ..types import Draft, DraftOptions, TargetPass
+from ..types import Draft, DraftOptions, TargetPass, common_prefix
 from .base import DraftTokens, TargetView
 
 log = logging.getLogger(__name__)
@@ -51,14 +54,16 @@ class DraftMTP:
         try:
             self.ctx = Context(self.model, ContextParams(
                 n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=target.n_threads,
-                mtp=True, nextn="outputs"), ctx_other=target.ctx)
+                mtp=True, nextn="all"), ctx_other=target.ctx)   # every row's hidden: see _write_rows
         except BaseException:
             if self._own_model:
                 self.model.close()
             raise
         E = self.model.n_embd_out
         self.H = np.zeros((target.n_ctx + 1, E), dtype=np.float32)   # [n_ctx + 1, E]: H[p + 1] = h_p
-        self.fed: list[int] = []      # tokens in the MTP KV at positions 0..len-1
+        self.toks: list[int] = []     # the target's tokens at positions 0..len-1; H holds h_p for each
+        self.fed: list[int] = []      # tokens in the MTP KV at positions 0..len-1 (row p: x_p, H[p])
+        self.p_new = 0                # H[p] for p > p_new changed since the rows were written
         self.opts = DraftOptions()
 
     def close(self) -> None:
@@ -71,44 +76,60 @@ class DraftMTP:
             X.llama_set_nextn_layer_offset(self.ctx.ptr, min(i, self.n_heads - 1))
 
     def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
-        """The target may reuse only the positions whose MTP rows are in the MTP KV."""
+        """The target may reuse only the positions whose hidden rows the MTP has seen."""
         self.opts = opts
-        return min(n_keep, len(self.fed))
+        return min(n_keep, common_prefix(self.toks, prompt))
 
     def accept(self, tp: TargetPass) -> None:
         """The target decoded tp.tokens at tp.pos0.. and keeps the first tp.n_keep rows."""
         p0, n_keep = tp.pos0, tp.n_keep
-        if p0 < len(self.fed):
-            if not self.ctx.seq_rm(p0, -1):
-                raise SpecrunError(f"MTP context could not roll back to {p0} tokens")
-            del self.fed[p0:]
-        if p0 > len(self.fed):
+        if p0 > len(self.toks):
             # positions the MTP never saw (heads switched on mid-conversation): their target hidden
             # rows are unknown, so the MTP KV cannot be completed; drafting stays off until reset.
-            log.info("draft-mtp: %d positions without hidden rows; drafting paused", p0 - len(self.fed))
+            log.info("draft-mtp: %d positions without hidden rows; drafting paused", p0 - len(self.toks))
             return
+        del self.toks[p0:]
         self.H[p0 + 1: p0 + 1 + n_keep] = tp.hidden[:n_keep]
-        toks = tp.tokens[:n_keep]
-        for s in range(0, n_keep, self.ctx.n_batch):
-            n = min(self.ctx.n_batch, n_keep - s)
-            self._head(0)
-            self.ctx.decode_with_hidden(toks[s:s + n], p0 + s, self.H[p0 + s: p0 + s + n], logits="none")
-        self.fed.extend(int(t) for t in toks)
+        self.toks.extend(tp.tokens[:n_keep].tolist())
+        self.p_new = min(self.p_new, p0)
+
+    def _write_rows(self, tok: int) -> None:
+        """Bring the MTP KV to rows 0..n (n = len(toks)), the last one (tok = id_last, H[n]), and
+        leave that row's logits. A row p is kept while its token matches and p <= p_new (the
+        hidden rows after p_new changed); below p_new the text is unchanged too, so only the rows
+        from there are compared. Row n is always decoded: its logits start the draft. The context
+        exports every row's hidden state (nextn "all"): with outputs only, llama.cpp's MTP graph
+        hands back the batch's first rows, not the output's."""
+        n = len(self.toks)
+        lo = max(0, min(self.p_new, len(self.fed), n))
+        want = self.toks[lo:] + [tok]            # rows lo..n
+        keep = min(lo + common_prefix(self.fed[lo:], want), self.p_new + 1, n)
+        if len(self.fed) > keep:
+            if not self.ctx.seq_rm(keep, -1):
+                raise SpecrunError(f"MTP context could not roll back to {keep} tokens")
+            del self.fed[keep:]
+        nxt = np.asarray(want[keep - lo:], dtype=np.int32)
+        self._head(0)
+        for s in range(0, len(nxt), self.ctx.n_batch):
+            m = min(self.ctx.n_batch, len(nxt) - s)
+            self.ctx.decode_with_hidden(nxt[s:s + m], keep + s, self.H[keep + s: keep + s + m],
+                                        logits="last" if s + m == len(nxt) else "none")
+        self.fed.extend(want[keep - lo:])
+        self.p_new = n + 1
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         n_past = len(ctx) - 1                    # position of id_last
-        if n_max <= 0 or len(self.fed) != n_past or n_past + n_max >= self.ctx.n_ctx:
+        if n_max <= 0 or len(self.toks) != n_past or n_past + n_max >= self.ctx.n_ctx:
             return Draft.empty()
         tok = int(ctx[-1])
+        self._write_rows(tok)                    # rows 0..n_past, logits of (id_last, h_{n_past-1})
         d = DraftTokens(self.opts.sampling, self.opts.p_min)
         for i in range(n_max):
-            self._head(i)
-            if i == 0:     # (id_last, h_{n_past - 1})
-                self.ctx.decode_with_hidden([tok], n_past, self.H[n_past: n_past + 1], logits="last")
-            else:          # (d_i, the last step's own hidden row)
+            if i > 0:      # (d_i, the last step's own hidden row)
+                self._head(i)
                 self.ctx.decode_chained(tok, n_past + i)
             if (tok := d.add(self.ctx.logits_rows()[0], n_past + 1 + i)) is None:
                 break
-        if not self.ctx.seq_rm(n_past, -1):
+        if not self.ctx.seq_rm(n_past + 1, -1):
             raise SpecrunError(f"MTP context could not drop its draft rows after position {n_past}")
         return d.draft()
