@@ -28,6 +28,7 @@ from specrun.gguf_spec.spec import load_spec
 from specrun.gguf_spec.testmodel import Head, SynthConfig, SynthConfigError
 from specrun.gguf_spec.testmodel_eagle3 import TINY, Eagle3Config, bigram_map, draft_tokens, write_eagle3_pair
 from specrun.kernels.drafters import DraftEagle3
+from specrun.kernels.drafters.draft_eagle3 import FOLD_ROWS
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams, SpecParams
 from specrun.kernels.types import SamplingParams
@@ -228,7 +229,13 @@ def test_draft_kv_equals_a_fresh_drafts(models):
         d = a.drafters_for(sp)[1]
         text = [*d.toks, 7]
         list(b.generate(d.toks, 1, SamplingParams(temp=0.0), spec=spec()))   # b's draft: the text as one prompt
-        assert np.array_equal(next_logits(d, text), next_logits(b.drafters[0], text))
+        bd, calls = b.drafters[0], []
+        write = bd.ctx.decode_with_hidden
+        bd.ctx.decode_with_hidden = lambda t, p, h, logits: (calls.append((len(t), logits)), write(t, p, h, logits))
+        assert np.array_equal(next_logits(d, text), next_logits(bd, text))
+        # b wrote the whole text at once: the rows before the last FOLD_ROWS without outputs
+        assert calls[-1] == (FOLD_ROWS, "all") and {lg for _, lg in calls[:-1]} == {"none"}
+        assert sum(n for n, _ in calls) == len(text) - 1
 
 
 @pytest.mark.slow

@@ -39,6 +39,8 @@ from .base import DraftTokens, TargetView
 
 log = logging.getLogger(__name__)
 
+FOLD_ROWS = 32    # the most rows written in the batch that ends with the boundary row (all out)
+
 
 class DraftEagle3:
     spec_type: ClassVar[str] = "draft-eagle3"
@@ -105,10 +107,11 @@ class DraftEagle3:
 
     def _write_rows(self, tok: int) -> None:
         """Bring the draft KV to rows 0..n-1 (n = len(toks)), the last one the boundary row
-        (tok = id_last, G[n-1]), and leave that row's logits (the last row out). A row p is kept while its token
-        matches and its g is older than p_new; below p_new - 1 both hold (the text and the g from
-        p_new on are what changed), so only the rows from there are compared: a pass costs what it
-        adds, not the context's length. The boundary row is always decoded (its logits start the draft)."""
+        (tok = id_last, G[n-1]), and leave that row's logits (the last row out). A row p is kept
+        while its token matches and its g is older than p_new; below p_new - 1 both hold (the text
+        and the g from p_new on are what changed), so only the rows from there are compared: a pass
+        costs what it adds, not the context's length. The boundary row is always decoded (its
+        logits start the draft)."""
         n = len(self.toks)
         lo = max(0, min(self.p_new - 1, len(self.rows), n - 1))
         want = self.toks[lo + 1:] + [tok]        # rows lo..n-1
@@ -118,12 +121,15 @@ class DraftEagle3:
                 raise SpecrunError(f"EAGLE-3 context could not roll back to {keep} tokens")
             del self.rows[keep:]
         nxt = np.asarray(want[keep - lo:], dtype=np.int32)
-        for s in range(0, len(nxt), self.ctx.n_batch):
-            m = min(self.ctx.n_batch, len(nxt) - s)
-            # all rows out: llama.cpp's eagle3 decoder graph selects no output rows (it computes
-            # every row's logits anyway) and hands back its first n_outputs rows
+        # the last batch has all rows out: llama.cpp's eagle3 decoder graph selects no output rows
+        # (it computes every row's logits anyway) and hands back its first n_outputs rows. Each
+        # costs a copy of n_vocab floats and room in the output buffer, so after a long prompt
+        # the rows before the last FOLD_ROWS go first, with no outputs.
+        tail = max(0, len(nxt) - min(FOLD_ROWS, self.ctx.n_batch))
+        for s in [*range(0, tail, self.ctx.n_batch), tail]:
+            m = min(self.ctx.n_batch, tail - s) if s < tail else len(nxt) - tail
             self.ctx.decode_with_hidden(nxt[s:s + m], keep + s, self.G[keep + s:keep + s + m],
-                                        logits="all" if s + m == len(nxt) else "none")
+                                        logits="none" if s < tail else "all")
         self.rows.extend(want[keep - lo:])
         self.p_new = n
 

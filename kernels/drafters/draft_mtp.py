@@ -52,9 +52,11 @@ class DraftMTP:
             self.model = target.model
         self.n_heads = self.model.n_layer_nextn
         try:
+            # every row's hidden state (see _write_rows): llama.cpp keeps n_batch x n_embd floats for
+            # them, so rows are written in batches of at most 512 (its default ubatch)
             self.ctx = Context(self.model, ContextParams(
-                n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=target.n_threads,
-                mtp=True, nextn="all"), ctx_other=target.ctx)   # every row's hidden: see _write_rows
+                n_ctx=target.n_ctx, n_batch=min(target.n_batch, 512), n_threads=target.n_threads,
+                mtp=True, nextn="all"), ctx_other=target.ctx)
         except BaseException:
             if self._own_model:
                 self.model.close()
