@@ -120,7 +120,6 @@ def _ensure_backend(exact: bool) -> None:
 # ---- llama-ext.h functions that llama_cpp_ext does not bind ------------------------------------
 # libllama.so exports them as C++ symbols (Itanium-mangled, as llama_cpp_ext binds the nextn ones).
 
-_FLOAT_P = ctypes.POINTER(ctypes.c_float)
 _EXT = {  # name: (mangled symbol, argtypes, restype)
     "llama_set_embeddings_layer_inp": ("_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
                                        [L.llama_context_p_ctypes, ctypes.c_uint32, ctypes.c_bool], None),
