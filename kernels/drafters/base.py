@@ -1,6 +1,6 @@
-"""What every drafter shares: the narrow view of the target it is built with, the rule that
-turns a drafter's logits into one drafted token, and the n-gram drafters' index of the history and
-their way to tell which verify pass was theirs."""
+"""What every drafter shares: the narrow view of the target it is built with, the model drafters'
+KV rows and the rule that turns their logits into one drafted token, and the n-gram drafters'
+index of the history and their way to tell which verify pass was theirs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrun.gguf_spec.errors import SpecrunError
+
 from ..llama import Context, Model
 from ..sampling import inverse_cdf, position_rng, transform
-from ..types import Draft, SamplingParams, TargetPass
+from ..types import Draft, SamplingParams, TargetPass, common_prefix
 
 _DRAFT_STREAM = 3  # random stream of draft sampling, apart from the target's (0, 1, 2)
 
@@ -51,6 +53,50 @@ def draft_token(logits: np.ndarray, sampling: SamplingParams | None, p_min: floa
         return int(inverse_cdf(q, u)), q.astype(np.float32)
     tok, p = softmax_max(logits) if p_min > 0 else (int(logits.argmax()), 1.0)
     return (None, None) if p < p_min else (tok, None)
+
+
+class DraftRows:
+    """The rows of a draft context that reads the target's rows (draft-mtp, draft-eagle3): row p
+    is (text[p + shift], hidden[p]) at position p, and the last row is id_last's. MTP's row reads
+    its own token (shift 0); EAGLE-3's decoder row reads the next one (shift 1).
+
+    The drafter tells changed(p) when hidden[p..] changed (a target pass handed over new rows);
+    write() then brings the KV to the rows of the current text, evaluating only what differs."""
+
+    def __init__(self, ctx: Context, shift: int, name: str) -> None:
+        self.ctx, self.shift, self.name = ctx, shift, name
+        self.tokens: list[int] = []   # the tokens of the rows in the KV, positions 0..len-1
+        self.fresh = 0                # hidden[p] for p >= fresh changed since the rows were written
+
+    def changed(self, p: int) -> None:
+        self.fresh = min(self.fresh, p)
+
+    def write(self, text: list[int], tok: int, hidden: np.ndarray, last: int, logits: str) -> None:
+        """Bring the KV to rows 0..n-1 (n = len(text) - shift + 1), the last one (tok = id_last,
+        hidden[n-1]), and leave that row's logits for the first draft step.
+
+        hidden: float32 [>= n, hidden_width]. A row p is kept while its token matches and
+        p < fresh; below fresh - 1 both hold (the text and the rows from fresh on are what changed),
+        so only the rows from there are compared: a pass costs what it adds, not the context's
+        length. The last row is always evaluated. The rows go in batches of n_batch without
+        outputs, then the last `last` of them in one batch with outputs `logits` ("last", or "all"
+        where the graph selects no output rows: llama.cpp then hands back a batch's first rows)."""
+        n = len(text) - self.shift + 1
+        lo = max(0, min(self.fresh - 1, len(self.tokens), n - 1))
+        want = text[lo + self.shift:] + [tok]          # rows lo..n-1
+        keep = min(lo + common_prefix(self.tokens[lo:], want), self.fresh, n - 1)
+        if len(self.tokens) > keep:
+            if not self.ctx.seq_rm(keep, -1):
+                raise SpecrunError(f"{self.name} context could not roll back to {keep} tokens")
+            del self.tokens[keep:]
+        nxt = np.asarray(want[keep - lo:], dtype=np.int32)
+        tail = max(0, len(nxt) - min(last, self.ctx.n_batch))
+        for s in [*range(0, tail, self.ctx.n_batch), tail]:
+            m = min(self.ctx.n_batch, tail - s) if s < tail else len(nxt) - tail
+            self.ctx.decode_with_hidden(nxt[s:s + m], keep + s, hidden[keep + s:keep + s + m],
+                                        logits="none" if s < tail else logits)
+        self.tokens.extend(want[keep - lo:])
+        self.fresh = n
 
 
 class DraftTokens:

@@ -35,7 +35,7 @@ from specrun.gguf_spec.spec import load_spec
 
 from ..llama import Context, ContextParams, Model
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
-from .base import DraftTokens, TargetView
+from .base import DraftRows, DraftTokens, TargetView
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,7 @@ class DraftEagle3:
         self.E = self.model.n_embd_out
         self.G = np.zeros((min(target.n_ctx, 1024), self.E), dtype=np.float32)  # [>= n_ctx seen, E]: G[p] = g_p
         self.toks: list[int] = []     # the target's tokens at positions 0..len-1, each with its g in G
-        self.rows: list[int] = []     # the draft KV: row p holds (rows[p] = x_{p+1}, G[p]) at position p
-        self.p_new = 0                # G[p] for p >= p_new changed since the rows were written
+        self.kv = DraftRows(self.ctx, 1, "EAGLE-3")   # row p: (x_{p+1}, G[p]) at position p
         self.opts = DraftOptions()
 
     def close(self) -> None:
@@ -103,42 +102,17 @@ class DraftEagle3:
             self.G = np.resize(self.G, (max(2 * len(self.G), p0 + n_keep), self.E))
         self.G[p0:p0 + n_keep] = self.ctx.encode_rows(tp.features[:n_keep])
         self.toks.extend(tp.tokens[:n_keep].tolist())
-        self.p_new = min(self.p_new, p0)
-
-    def _write_rows(self, tok: int) -> None:
-        """Bring the draft KV to rows 0..n-1 (n = len(toks)), the last one the boundary row
-        (tok = id_last, G[n-1]), and leave that row's logits (the last row out). A row p is kept
-        while its token matches and its g is older than p_new; below p_new - 1 both hold (the text
-        and the g from p_new on are what changed), so only the rows from there are compared: a pass
-        costs what it adds, not the context's length. The boundary row is always decoded (its
-        logits start the draft)."""
-        n = len(self.toks)
-        lo = max(0, min(self.p_new - 1, len(self.rows), n - 1))
-        want = self.toks[lo + 1:] + [tok]        # rows lo..n-1
-        keep = min(lo + common_prefix(self.rows[lo:], want), self.p_new, n - 1)
-        if len(self.rows) > keep:
-            if not self.ctx.seq_rm(keep, -1):
-                raise SpecrunError(f"EAGLE-3 context could not roll back to {keep} tokens")
-            del self.rows[keep:]
-        nxt = np.asarray(want[keep - lo:], dtype=np.int32)
-        # the last batch has all rows out: llama.cpp's eagle3 decoder graph selects no output rows
-        # (it computes every row's logits anyway) and hands back its first n_outputs rows. Each
-        # costs a copy of n_vocab floats and room in the output buffer, so after a long prompt
-        # the rows before the last FOLD_ROWS go first, with no outputs.
-        tail = max(0, len(nxt) - min(FOLD_ROWS, self.ctx.n_batch))
-        for s in [*range(0, tail, self.ctx.n_batch), tail]:
-            m = min(self.ctx.n_batch, tail - s) if s < tail else len(nxt) - tail
-            self.ctx.decode_with_hidden(nxt[s:s + m], keep + s, self.G[keep + s:keep + s + m],
-                                        logits="none" if s < tail else "all")
-        self.rows.extend(want[keep - lo:])
-        self.p_new = n
+        self.kv.changed(p0)
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         n_past = len(ctx) - 1                    # position of id_last
         if n_max <= 0 or n_past < 1 or len(self.toks) != n_past or n_past + n_max >= self.ctx.n_ctx:
             return Draft.empty()
         tok = int(ctx[-1])
-        self._write_rows(tok)                    # rows 0..n_past-1, logits of the boundary row
+        # rows 0..n_past-1, logits of the boundary row (every row of the batch out: llama.cpp's eagle3
+        # decoder graph selects no output rows; each costs a copy of n_vocab floats and room in the
+        # output buffer, so after a long prompt the rows before the last FOLD_ROWS go first)
+        self.kv.write(self.toks, tok, self.G, FOLD_ROWS, "all")
         d = DraftTokens(self.opts.sampling, self.opts.p_min)
         for i in range(n_max):
             if i > 0:      # (d_i, the last row's pre-norm state)

@@ -24,7 +24,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from ..llama import Context, ContextParams, Model
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
-from .base import DraftTokens, TargetView
+from .base import DraftRows, DraftTokens, TargetView
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class DraftMTP:
             self.model = target.model
         self.n_heads = self.model.n_layer_nextn
         try:
-            # every row's hidden state (see _write_rows): llama.cpp keeps n_batch x n_embd floats for
+            # every row's hidden state (see propose): llama.cpp keeps n_batch x n_embd floats for
             # them, so rows are written in batches of at most 512 (its default ubatch)
             self.ctx = Context(self.model, ContextParams(
                 n_ctx=target.n_ctx, n_batch=min(target.n_batch, 512), n_threads=target.n_threads,
@@ -64,8 +64,7 @@ class DraftMTP:
         E = self.model.n_embd_out
         self.H = np.zeros((target.n_ctx + 1, E), dtype=np.float32)   # [n_ctx + 1, E]: H[p + 1] = h_p
         self.toks: list[int] = []     # the target's tokens at positions 0..len-1; H holds h_p for each
-        self.fed: list[int] = []      # tokens in the MTP KV at positions 0..len-1 (row p: x_p, H[p])
-        self.p_new = 0                # H[p] for p > p_new changed since the rows were written
+        self.kv = DraftRows(self.ctx, 0, "MTP")     # row p: (x_p, H[p] = h_{p-1}) at position p
         self.opts = DraftOptions()
 
     def close(self) -> None:
@@ -93,38 +92,17 @@ class DraftMTP:
         del self.toks[p0:]
         self.H[p0 + 1: p0 + 1 + n_keep] = tp.hidden[:n_keep]
         self.toks.extend(tp.tokens[:n_keep].tolist())
-        self.p_new = min(self.p_new, p0)
-
-    def _write_rows(self, tok: int) -> None:
-        """Bring the MTP KV to rows 0..n (n = len(toks)), the last one (tok = id_last, H[n]), and
-        leave that row's logits. A row p is kept while its token matches and p <= p_new (the
-        hidden rows after p_new changed); below p_new the text is unchanged too, so only the rows
-        from there are compared. Row n is always decoded: its logits start the draft. The context
-        exports every row's hidden state (nextn "all"): with outputs only, llama.cpp's MTP graph
-        hands back the batch's first rows, not the output's."""
-        n = len(self.toks)
-        lo = max(0, min(self.p_new, len(self.fed), n))
-        want = self.toks[lo:] + [tok]            # rows lo..n
-        keep = min(lo + common_prefix(self.fed[lo:], want), self.p_new + 1, n)
-        if len(self.fed) > keep:
-            if not self.ctx.seq_rm(keep, -1):
-                raise SpecrunError(f"MTP context could not roll back to {keep} tokens")
-            del self.fed[keep:]
-        nxt = np.asarray(want[keep - lo:], dtype=np.int32)
-        self._head(0)
-        for s in range(0, len(nxt), self.ctx.n_batch):
-            m = min(self.ctx.n_batch, len(nxt) - s)
-            self.ctx.decode_with_hidden(nxt[s:s + m], keep + s, self.H[keep + s: keep + s + m],
-                                        logits="last" if s + m == len(nxt) else "none")
-        self.fed.extend(want[keep - lo:])
-        self.p_new = n + 1
+        self.kv.changed(p0 + 1)            # H[p0 + 1] = h_{p0}
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         n_past = len(ctx) - 1                    # position of id_last
         if n_max <= 0 or len(self.toks) != n_past or n_past + n_max >= self.ctx.n_ctx:
             return Draft.empty()
         tok = int(ctx[-1])
-        self._write_rows(tok)                    # rows 0..n_past, logits of (id_last, h_{n_past-1})
+        # rows 0..n_past, logits of (id_last, h_{n_past-1}). The context exports every row's hidden
+        # state (nextn "all"): with outputs only, llama.cpp's MTP graph hands back a batch's first rows
+        self._head(0)
+        self.kv.write(self.toks, tok, self.H, self.ctx.n_batch, "last")
         d = DraftTokens(self.opts.sampling, self.opts.p_min)
         for i in range(n_max):
             if i > 0:      # (d_i, the last step's own hidden row)
