@@ -38,7 +38,7 @@ from .constrain import Constraints, VerifyPass
 from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
 from .draftlen import DraftLength, PassCost
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
-from .params import EngineParams, SpecParams
+from .params import NGRAM_TYPES, EngineParams, SpecParams
 from .prefill import FastPrefill, fast_len
 from .prefill_worker import PrefillHandle, PrefillWorker, SharedPrefill, uses_worker
 from .sampling import sample
@@ -136,8 +136,10 @@ class Engine:
             raise SpecrunError(f"{model_path}: the model has no MTP heads, so --spec-type draft-mtp is not "
                                f"available; run `specrun inspect {model_path}` to see what it holds, "
                                "or pass MTP heads with -md HEADS.gguf")
-        # the longest draft: exact mode keeps verify batches under flash attention's 64-row tiled kernel
-        self.n_max_cap = max(spec.n_max, spec.ngram_size_m, 16)
+        # the longest draft: every n-gram type's own bound (a request may switch to any of them) and
+        # the model drafters' n-max; exact mode keeps verify batches under flash attention's 64-row
+        # tiled kernel
+        self.n_max_cap = max(16, spec.n_max, *(draft_n_max(t, spec) for t in NGRAM_TYPES))
         if params.exact:
             self.n_max_cap = min(self.n_max_cap, MAX_EXACT_BATCH - 1)
         self.mtp_enabled = "draft-mtp" in spec.types or (self.model.load_mtp and self.model.n_layer_nextn > 0)

@@ -13,7 +13,7 @@ import pytest
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.engine import Engine
-from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.params import EngineParams, NgramMapParams, NgramModParams, SpecParams
 from specrun.kernels.prefill import BLOCK
 from specrun.kernels.types import Draft, DraftOptions, SamplingParams, TargetPass
 
@@ -124,10 +124,41 @@ def test_cancel_stops_a_long_prompt_between_chunks(engine):
 
 
 def test_draft_length_above_the_cap_is_refused_with_the_cap(engine):
-    assert engine.n_max_cap == 48            # max(16, --spec-draft-n-max 3, --spec-ngram-simple-size-m 48)
+    assert engine.n_max_cap == 62            # --spec-ngram-mod-n-max 64, within exact mode's 63 verify rows
     rec = Recorder([], 0, 0)
-    with pytest.raises(SpecrunError, match=r"draft n-max 49 is above this engine's cap of 48"):
-        engine.generate(engine.tokenize("hi"), 4, GREEDY, spec=SpecParams(n_max=49), drafters=[rec])
+    with pytest.raises(SpecrunError, match=r"draft n-max 63 is above this engine's cap of 62 \(exact mode verifies at most 63 rows\)"):
+        engine.generate(engine.tokenize("hi"), 4, GREEDY, spec=SpecParams(n_max=63), drafters=[rec])
+
+
+@pytest.mark.parametrize("spec, exact, cap", [
+    (SpecParams(ngram_size_m=8, ngram_mod=NgramModParams(n_max=20)), False, 48),         # map-k / k4v size-m 48
+    (SpecParams(ngram_size_m=8, ngram_mod=NgramModParams(n_max=100)), False, 100),
+    (SpecParams(ngram_size_m=8, ngram_map_k4v=NgramMapParams(size_m=80), ngram_mod=NgramModParams(n_max=20)), False, 80),
+    (SpecParams(n_max=5, ngram_size_m=8, ngram_map_k=NgramMapParams(size_m=4), ngram_map_k4v=NgramMapParams(size_m=4),
+                ngram_mod=NgramModParams(n_max=4)), False, 16),
+    (SpecParams(ngram_mod=NgramModParams(n_max=100)), True, 62),
+])
+def test_the_cap_is_the_longest_bound_of_any_drafter(engine, spec, exact, cap):
+    """Each n-gram type's own flag bounds its drafts (a request may switch to any type), so the
+    engine's cap is the largest of them and --spec-draft-n-max (at least 16), within exact mode's 62."""
+    with Engine(engine.model.path, EngineParams(n_ctx=256, exact=exact, spec=spec), model=engine.model) as e:
+        assert e.n_max_cap == cap
+
+
+def test_ngram_mod_drafts_reach_its_n_max_within_the_exact_cap(engine):
+    """llama.cpp's ngram-mod chains up to --spec-ngram-mod-n-max (64) tokens: exact mode cuts that at
+    62, nothing shorter (ngram-simple's size-m 48 once bounded every n-gram type). Its pool outlives
+    a generation, so the second one drafts the first one's text."""
+    prompt = engine.tokenize("The history of the lighthouse at the edge of the old harbour town began")
+    spec = SpecParams(types=("ngram-mod",))
+    engine.reset()
+    first = engine.generate(prompt, 140, GREEDY, spec=spec)
+    text = [t for step in first for t in step]
+    engine.reset()
+    again = engine.generate(prompt, 100, GREEDY, spec=spec)
+    assert [t for step in again for t in step] == text[:100]
+    d = again.stats.drafters[0]
+    assert len(d.acc_per_pos) == 62 and d.acc_per_pos[61] > 0      # a 62-token draft, accepted to its end
 
 
 def test_ngram_drafts_are_bounded_by_size_m_not_n_max(engine):
