@@ -203,7 +203,7 @@ def mtp_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve-mtp")
     path = build_test_model(d / "mtp.gguf", SynthConfig(head=Head.parse("exact")), "q8_0")
     srv = ServerProcess(d, "-m", str(path), "-c", "256", "-n", "24", "-t", "1",
-                        "--spec-type", "draft-mtp")
+                        "--spec-type", "draft-mtp", "--spec-ngram-mod-n-max", "40")   # a cap under exact mode's 62
     yield srv
     srv.kill()
 
@@ -226,14 +226,15 @@ def test_draft_mtp_equals_none(mtp_server):
 
 def test_draft_n_max_above_the_cap_is_a_400_with_the_cap(mtp_server):
     cap = mtp_server.http.get("/v1/models").json()["data"][0]["meta"]["spec_n_max_cap"]
-    assert cap == 48     # the larger of 16, --spec-draft-n-max (3) and the n-gram size_m (48)
+    assert cap == 48     # the largest of 16, --spec-draft-n-max (3) and the n-gram bounds (size-m 48, ngram-mod 40)
     before = mtp_server.metrics()
     r = mtp_server.post("/completion", {"prompt": "hello", "n_predict": 4, "speculative": {"n_max": cap + 1}})
     assert r.status_code == 400
     assert r.json()["error"] == {
-        "message": f"speculative.n_max: draft n-max {cap + 1} is above this server's cap of {cap} for draft-simple "
-                   f"and draft-mtp (set when the server started); ask for at most {cap}, or restart the server "
-                   "with a larger --spec-draft-n-max", "type": "invalid_request_error", "code": "invalid_value"}
+        "message": f"speculative.n_max: draft n-max {cap + 1} is above this server's cap of {cap} for draft-simple, "
+                   f"draft-eagle3 and draft-mtp (set when the server started); ask for at most {cap}, "
+                   "or restart the server with a larger --spec-draft-n-max", "type": "invalid_request_error",
+        "code": "invalid_value"}
     # refused before it took a slot: no generation ran (the engine's own check comes after one)
     assert delta(mtp_server.metrics(), before, "specrun_requests_total") == 0
     ok = mtp_server.completion("hello", 4, speculative={"n_max": cap})

@@ -158,7 +158,7 @@ class ServerState:
             why = (f"exact mode verifies at most {MAX_EXACT_BATCH - 1} draft tokens"
                    if self.exact and self.n_max_cap == MAX_EXACT_BATCH - 1 else "set when the server started")
             raise ApiError(400, f"speculative.n_max: draft n-max {spec.n_max} is above this server's cap of "
-                           f"{self.n_max_cap} for draft-simple and draft-mtp ({why}); ask for at most "
+                           f"{self.n_max_cap} for draft-simple, draft-eagle3 and draft-mtp ({why}); ask for at most "
                            f"{self.n_max_cap}, or restart the server with a larger --spec-draft-n-max",
                            "invalid_value")
         return spec
