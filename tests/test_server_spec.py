@@ -235,6 +235,10 @@ def test_draft_n_max_above_the_cap_is_a_400_with_the_cap(mtp_server):
                    f"draft-eagle3 and draft-mtp (set when the server started); ask for at most {cap}, "
                    "or restart the server with a larger --spec-draft-n-max", "type": "invalid_request_error",
         "code": "invalid_value"}
+    # beyond exact mode's 62 too: the cap is the server's, not the request schema's
+    assert mtp_server.post("/completion", {"prompt": "hello", "n_predict": 4, "speculative": {"n_max": 100}}
+                           ).json()["error"]["message"].startswith("speculative.n_max: draft n-max 100 is above this "
+                                                                   "server's cap of 48 for draft-simple, draft-eagle3")
     # refused before it took a slot: no generation ran (the engine's own check comes after one)
     assert delta(mtp_server.metrics(), before, "specrun_requests_total") == 0
     ok = mtp_server.completion("hello", 4, speculative={"n_max": cap})

@@ -133,10 +133,13 @@ class Speculative(_Body):
     """Per-request speculative decoding (llama.cpp's --spec-* options). The output does not depend
     on it: only how fast it comes."""
 
-    type: Text | None = Field(None, description="comma-separated spec types: none, ngram-simple, draft-simple "
-                             "(alias draft), draft-mtp; only those the server can build (GET /v1/models lists "
-                             "them). Default: the server's --spec-type", examples=["ngram-simple"])
-    n_max: int | None = Field(None, ge=1, le=62, description="most tokens drafted per step")
+    type: Text | None = Field(None, description="comma-separated spec types: none, ngram-simple, ngram-map-k, "
+                             "ngram-map-k4v, ngram-mod, ngram-cache, draft-simple (alias draft), draft-eagle3, "
+                             "draft-mtp; only those the server can build (GET /v1/models lists them). Default: "
+                             "the server's --spec-type", examples=["ngram-simple"])
+    # bounded by the server's cap for model drafters (state.py: a 400 that names it); n-gram drafts by their own flags
+    n_max: int | None = Field(None, ge=1, le=1024, description="most tokens drafted per step by a draft model, "
+                              "EAGLE-3 or MTP heads (at most the server's cap: spec_n_max_cap in GET /v1/models)")
     n_min: int | None = Field(None, ge=0, le=62, description="drafts shorter than this are not verified")
     p_min: float | None = Field(None, ge=0.0, le=1.0, description="stop drafting below this top-1 probability")
 
