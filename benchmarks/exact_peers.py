@@ -97,7 +97,7 @@ def markdown(data: dict) -> str:
             f"2 threads, context 4096), every server of a model up at once, requests rotating; medians of {m['reps']} after a "
             "warm-up. *llama-server exact*: llama-server with exact mode's flags (`-nr -ctk q8_0`, `GGML_CPU_TILED_MM=0`). "
             "Each cell: tok/s, × that system's `none`, drafted / accepted over the reps.\n")
-    out = [head, "| workload | setting | specrun | llama-server | llama-server exact | texts |", "|---|---|---|---|---|---|"]
+    out = [head, "| workload | setting | specrun | llama-server | llama-server exact | text |", "|---|---|---|---|---|---|"]
 
     def cell(r: dict | None) -> str:
         if r is None:
@@ -110,8 +110,11 @@ def markdown(data: dict) -> str:
         sp_none = by.get((w, "none", "specrun"))
         for s in dict.fromkeys(r["setting"] for r in rows if r["workload"] == w):
             trio = [by.get((w, s, x)) for x in SYSTEMS]
-            same = [x for x, r in zip(SYSTEMS[1:], trio[1:], strict=True) if r and sp_none and r["text"] == sp_none["text"]]
-            note = ("= specrun's none: " + ", ".join(same)) if same else "specrun's none differs from both"
+            here = [(x, r) for x, r in zip(SYSTEMS, trio, strict=True) if r]
+            same = [x for x, r in here if sp_none and r["text"] == sp_none["text"]]
+            drift = [x for x, r in here if r["equal_none"] is False]
+            note = f"specrun's `none` text: {', '.join(same) or 'none of them'}" + \
+                (f"; not its own `none`'s: {', '.join(drift)}" if drift else "")
             out.append(f"| {w} | {s} | " + " | ".join(cell(r) for r in trio) + f" | {note} |")
         auto = by.get((w, "auto", "specrun"))
         for peer in SYSTEMS[1:]:
