@@ -29,11 +29,15 @@ from datetime import date
 from pathlib import Path
 
 from peers import (
+    LOGS,
     PEER_SETTINGS,
+    PROMPTS,
     RESULTS,
+    ROOT,
     SETTINGS,
     WORKLOADS,
     ServerFailed,
+    best_peer,
     cpu_model,
     free_port,
     git_state,
@@ -44,7 +48,6 @@ from peers import (
     write_results,
 )
 
-LOGS = Path(__file__).resolve().parents[1] / "build" / "peers" / "logs"
 EXACT_FLAGS = ("-nr", "-ctk", "q8_0")
 SYSTEMS = ("specrun", "llama-server", "llama-server exact")
 # where the peers run at b056f7d found llama-server's `none` text different from specrun's
@@ -63,12 +66,12 @@ def command(system: str, model: str, path: str, flags: tuple[str, ...], args) ->
 
 def run(args) -> list[dict]:
     """Every request measured: peers.measure's record with model, workload, setting, system, rep."""
-    texts = {w: (Path(__file__).parent / "prompts" / next(x.file for x in WORKLOADS if x.name == w)).read_text()
-             for w in args.workloads}
+    named = {w.name: w for w in WORKLOADS}
+    texts = {w: (PROMPTS / named[w].file).read_text(encoding="utf-8") for w in args.workloads}
     out: list[dict] = []
-    for model in dict.fromkeys(next(x.model for x in WORKLOADS if x.name == w) for w in args.workloads):
+    for model in dict.fromkeys(named[w].model for w in args.workloads):
         path = model_path(args.specrun, model)
-        mine = [w for w in args.workloads if next(x.model for x in WORKLOADS if x.name == w) == model]
+        mine = [w for w in args.workloads if named[w].model == model]
         servers = [(sys_, s) for s in SETTINGS if s.name in args.settings
                    for sys_ in SYSTEMS if sys_ == "specrun" or s.name != "auto"]
         with contextlib.ExitStack() as stack:
@@ -94,7 +97,7 @@ def markdown(data: dict) -> str:
     by = {(r["workload"], r["setting"], r["system"]): r for r in rows}
     head = (f"Measured {m['date']} at commit `{m['commit']}`{' (uncommitted changes)' if m['dirty'] else ''}; {m['cpu']}, "
             f"{m['cores']} cores. Three systems on the same /completion requests (greedy, n_predict {m['n_predict']}, "
-            f"2 threads, context 4096), every server of a model up at once, requests rotating; medians of {m['reps']} after a "
+            f"{m['threads']} threads, context {m['ctx']}), every server of a model up at once, requests rotating; medians of {m['reps']} after a "
             "warm-up. *llama-server exact*: llama-server with exact mode's flags (`-nr -ctk q8_0`, `GGML_CPU_TILED_MM=0`). "
             "Each cell: tok/s, × that system's `none`, drafted / accepted over the reps.\n")
     out = [head, "| workload | setting | specrun | llama-server | llama-server exact | text |", "|---|---|---|---|---|---|"]
@@ -118,8 +121,7 @@ def markdown(data: dict) -> str:
             out.append(f"| {w} | {s} | " + " | ".join(cell(r) for r in trio) + f" | {note} |")
         auto = by.get((w, "auto", "specrun"))
         for peer in SYSTEMS[1:]:
-            best = max((by[(w, s, peer)] for s in PEER_SETTINGS if (w, s, peer) in by), key=lambda r: r["gen_tps"],
-                       default=None)
+            best = best_peer(by, w, peer)
             if auto and best:
                 verdicts.append(f"{w}: auto {auto['gen_tps']:.1f} ÷ {peer}'s best ({best['setting']}, "
                                 f"{best['gen_tps']:.1f}) = {auto['gen_tps'] / best['gen_tps']:.2f}")
@@ -127,9 +129,8 @@ def markdown(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    root = Path(__file__).resolve().parents[1]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-server", default=str(root / "build" / "peers" / "cmake" / "bin" / "llama-server"))
+    ap.add_argument("--llama-server", default=str(ROOT / "build" / "peers" / "cmake" / "bin" / "llama-server"))
     ap.add_argument("--specrun", default=str(Path(sys.executable).with_name("specrun")))
     ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     ap.add_argument("--settings", default=",".join((*PEER_SETTINGS, "auto")))
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"exact_peers: a server failed: {e}")
         data = {"meta": {"commit": commit, "dirty": dirty, "cpu": cpu_model(), "cores": os.cpu_count(),
                          "date": date.today().isoformat(), "reps": args.reps,
-                         "n_predict": args.n_predict}, "requests": requests}
+                         "n_predict": args.n_predict, "threads": args.threads, "ctx": args.ctx}, "requests": requests}
     write_results(args.from_json or args.out, data, markdown(data))
     if data["requests"]:
         print(f"[exact_peers] {len(data['requests'])} requests; median other work "

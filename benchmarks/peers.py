@@ -538,9 +538,9 @@ def chosen(auto_line: str | None, spec: dict | None) -> str:
     return ",".join(spec["type"])
 
 
-def best_peer(by: dict, workload: str) -> dict | None:
-    """llama-server's fastest row of PEER_SETTINGS on a workload (what issue 12 asks `auto` to match)."""
-    rows = [by[(workload, s, "llama-server")] for s in PEER_SETTINGS if (workload, s, "llama-server") in by]
+def best_peer(by: dict, workload: str, system: str = "llama-server") -> dict | None:
+    """`system`'s fastest row of PEER_SETTINGS on a workload (llama-server's: what issue 12 asks `auto` to match)."""
+    rows = [by[(workload, s, system)] for s in PEER_SETTINGS if (workload, s, system) in by]
     return max(rows, key=lambda r: r["gen_tps"]) if rows else None
 
 

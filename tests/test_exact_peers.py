@@ -33,7 +33,7 @@ def fake() -> dict:
                req("specrun", "auto", rep, 80, "exact", 120, 80)]
     rs.append(req("llama-server", "ngram-simple", 0, 70, "drift2", 48, 41))   # a drifting text: not its none
     return {"meta": {"date": "2026-12-04", "commit": "abc1234", "dirty": [], "cpu": "CPU", "cores": 2, "reps": 3,
-                     "n_predict": 128}, "requests": rs}
+                     "n_predict": 128, "threads": 2, "ctx": 4096}, "requests": rs}
 
 
 def test_cells_texts_and_verdicts():
