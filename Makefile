@@ -30,7 +30,7 @@ LLAMA_BUILD_OK := import glob, os, re, sys, llama_cpp as L; \
 	         or any((k in have) != (v == 'ON') for k, v in want.items() if k in shown))
 RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-adaptive -n 128 --temp 0 -f $(PROMPT_FILE)
 
-.PHONY: install run test test-fast bench bench-draft-length bench-draft-length-replay bench-rpc bench-peers peers-server lint clean
+.PHONY: install run test test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-rpc bench-peers peers-server lint clean
 
 install: $(STAMP)
 
@@ -62,6 +62,10 @@ bench-draft-length: install
 # the same policy replayed without the model on 39 cached greedy texts, against per-pass foresight (~3 min)
 bench-draft-length-replay: install
 	$(BIN)/python benchmarks/draft_length_replay.py
+
+# the speed any copy drafter could reach on specrun's exact text (foresight), beside what llama-server's best needs (~1 min)
+bench-copy-bound: install
+	$(BIN)/python benchmarks/copy_bound.py
 
 # local against two loopback `specrun rpc-worker`s, with 0/1/5/20 ms of added round-trip latency
 bench-rpc: install
