@@ -32,12 +32,10 @@ from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # run from anywhere: the scripts import each other
-from draft_length import GREEDY, PROMPTS, WORKLOADS, FrozenCost, measure_curve  # noqa: E402
-from draft_length_replay import EXACT_CAP, REPLAY_ROWS, replay  # noqa: E402
-from peers import best_peer, summarize  # noqa: E402
+from draft_length import GREEDY, PROMPTS, WORKLOADS, measure_curve  # noqa: E402
+from draft_length_replay import EXACT_CAP, REPLAY_ROWS, best_cut, frozen, replay  # noqa: E402
+from peers import RESULTS, best_peer, summarize  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 MATCH_N = (3, 2, 1, 0)
 
 
@@ -62,11 +60,10 @@ def copy_bound(prompt: list[int], gen: list[int], curve: dict[int, float], match
     """Passes of the oracle copy drafter on prompt + gen (gen[0] comes from the prompt's pass), each
     drafting the k <= longest_copy(...) with the most tokens per second for that pass. curve:
     {rows: seconds}. Returns {"rows": [rows per pass], "modeled_s": seconds}."""
-    cost = FrozenCost({r: [32, t] for r, t in curve.items()})
+    cost = frozen(curve)
     text, pos, rows = prompt + gen, len(prompt) + 1, []
     while pos < len(text):
-        best = longest_copy(text, pos, match_n, min(cap, len(text) - pos - 1))
-        k = max(range(best + 1), key=lambda k: (k + 1) / cost.at(k + 1))
+        k = best_cut(longest_copy(text, pos, match_n, min(cap, len(text) - pos - 1)), cost)
         rows.append(k + 1)
         pos += k + 1
     return {"rows": rows, "modeled_s": sum(cost.at(r) for r in rows)}

@@ -118,12 +118,17 @@ def _key(model: str, text: str, n: int) -> str:
     return f"{model}|{n}|{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
 
+def frozen(curve: dict[int, float]) -> FrozenCost:
+    """A pass-cost model that prices r rows at curve[r] seconds (as if each from 32 samples)."""
+    return FrozenCost({r: [32, t] for r, t in curve.items()})
+
+
 def replay(prompt: list[int], gen: list[int], curve: dict[int, float], size_m: int, adaptive: bool,
            size_n: int = 3) -> dict:
     """The engine's loop (kernels/engine.py Engine._run) for one ngram-simple drafter, greedy, on a
     known text: prompt, then gen (the model's own tokens; gen[0] comes from the prompt's pass).
     curve: {rows: seconds}, frozen. Returns the passes' rows and their modeled seconds."""
-    cost = FrozenCost({r: [32, t] for r, t in curve.items()})
+    cost = frozen(curve)
     d = NgramSimple(size_n, size_m)
     d.begin(np.asarray(prompt, dtype=np.int32))
     dl = DraftLength(min(size_m, EXACT_CAP), adaptive, 0 if adaptive else 1)
@@ -145,10 +150,16 @@ def replay(prompt: list[int], gen: list[int], curve: dict[int, float], size_m: i
     return {"rows": rows, "modeled_s": sum(cost.at(r) for r in rows)}
 
 
+def best_cut(n_ok: int, cost: FrozenCost) -> int:
+    """The draft length k <= n_ok (tokens of it the text accepts) whose pass of k + 1 rows makes the
+    most tokens per second: foresight's cut."""
+    return max(range(n_ok + 1), key=lambda k: (k + 1) / cost.at(k + 1))
+
+
 def foresight(prompt: list[int], gen: list[int], curve: dict[int, float], size_m: int, size_n: int = 3) -> float:
     """Modeled seconds when each pass drafts, of the ngram-simple proposal, the k <= (tokens of it the
     text accepts) with the most tokens per second for that pass."""
-    cost = FrozenCost({r: [32, t] for r, t in curve.items()})
+    cost = frozen(curve)
     d = NgramSimple(size_n, size_m)
     d.begin(np.asarray(prompt, dtype=np.int32))
     text, ctx, t = prompt + gen, prompt + gen[:1], 0.0
@@ -157,7 +168,7 @@ def foresight(prompt: list[int], gen: list[int], curve: dict[int, float], size_m
         draft = d.propose(np.asarray(ctx, dtype=np.int32), cap).tokens if cap > 0 else []
         pos = len(ctx)
         n_ok = common_prefix(text[pos:pos + len(draft)], list(draft))
-        k = max(range(n_ok + 1), key=lambda k: (k + 1) / cost.at(k + 1))
+        k = best_cut(n_ok, cost)
         t += cost.at(k + 1)
         ctx += text[pos:pos + k + 1]
     return t
