@@ -37,12 +37,14 @@ from peers import (
     SETTINGS,
     WORKLOADS,
     ServerFailed,
+    Setting,
     best_peer,
     cpu_model,
     free_port,
     git_state,
     measure,
     model_path,
+    server_command,
     serving,
     summarize,
     write_results,
@@ -54,14 +56,12 @@ SYSTEMS = ("specrun", "llama-server", "llama-server exact")
 DEFAULT_WORKLOADS = ("free", "code-rewrite", "verbatim", "json-table", "chat-reuse", "code-rewrite-smollm2")
 
 
-def command(system: str, model: str, path: str, flags: tuple[str, ...], args) -> list[str]:
-    common = ["-t", str(args.threads), "-c", str(args.ctx), "-np", "1", "--host", "127.0.0.1", "--port",
-              str(free_port()), *flags]
-    if system == "specrun":
-        return [args.specrun, "serve", "-m", model, *common]
-    if system == "llama-server exact":      # env execs llama-server: the pid stays the server's
-        return ["env", "GGML_CPU_TILED_MM=0", args.llama_server, "-m", path, *EXACT_FLAGS, *common]
-    return [args.llama_server, "-m", path, *common]
+def command(system: str, model: str, path: str, setting: Setting, args) -> list[str]:
+    """peers' server command; llama-server exact is llama-server's with EXACT_FLAGS after -m PATH."""
+    if system != "llama-server exact":
+        return server_command(system, model, path, setting, free_port(), args)
+    server, m, p, *rest = server_command("llama-server", model, path, setting, free_port(), args)
+    return ["env", "GGML_CPU_TILED_MM=0", server, m, p, *EXACT_FLAGS, *rest]   # env execs: the pid stays the server's
 
 
 def run(args) -> list[dict]:
@@ -78,7 +78,7 @@ def run(args) -> list[dict]:
             live = {}
             for sys_, s in servers:
                 log = LOGS / f"exact-{sys_.replace(' ', '_')}-{model}-{s.name.replace(' ', '_')}.log"
-                live[(sys_, s.name)] = stack.enter_context(serving(command(sys_, model, path, s.args, args), log))
+                live[(sys_, s.name)] = stack.enter_context(serving(command(sys_, model, path, s, args), log))
             keys = list(live)
             for rep in range(-1, args.reps):
                 order = keys[rep % len(keys):] + keys[:rep % len(keys)]

@@ -52,10 +52,13 @@ def test_cells_texts_and_verdicts():
 
 def test_commands():
     args = SimpleNamespace(threads=2, ctx=4096, specrun="specrun", llama_server="/bin/llama-server")
-    flags = ("--spec-type", "none")
-    exact = ep.command("llama-server exact", "gemma-3-270m", "/m.gguf", flags, args)
+    none = next(s for s in ep.SETTINGS if s.name == "none")
+    exact = ep.command("llama-server exact", "gemma-3-270m", "/m.gguf", none, args)
     assert exact[:4] == ["env", "GGML_CPU_TILED_MM=0", "/bin/llama-server", "-m"]
-    assert exact[5:8] == ["-nr", "-ctk", "q8_0"] and exact[-2:] == list(flags)
-    plain = ep.command("llama-server", "gemma-3-270m", "/m.gguf", flags, args)
+    assert exact[5:8] == ["-nr", "-ctk", "q8_0"] and exact[-2:] == list(none.args)
+    plain = ep.command("llama-server", "gemma-3-270m", "/m.gguf", none, args)
     assert "-nr" not in plain and plain[0] == "/bin/llama-server"
-    assert ep.command("specrun", "gemma-3-270m", "/m.gguf", flags, args)[:4] == ["specrun", "serve", "-m", "gemma-3-270m"]
+    assert ep.command("specrun", "gemma-3-270m", "/m.gguf", none, args)[:4] == ["specrun", "serve", "-m", "gemma-3-270m"]
+    # a synthetic model has no registry name: specrun gets its path, as llama-server does
+    synth = ep.command("specrun", "synthetic:eagle3-realistic", "/t.gguf", none, args)
+    assert synth[:4] == ["specrun", "serve", "-m", "/t.gguf"]
