@@ -30,7 +30,7 @@ LLAMA_BUILD_OK := import glob, os, re, sys, llama_cpp as L; \
 	         or any((k in have) != (v == 'ON') for k, v in want.items() if k in shown))
 RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-adaptive -n 128 --temp 0 -f $(PROMPT_FILE)
 
-.PHONY: install run test test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-rpc bench-peers peers-server lint clean
+.PHONY: install run test test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-pass-times bench-rpc bench-peers peers-server lint clean
 
 install: $(STAMP)
 
@@ -92,6 +92,12 @@ $(LLAMA_SERVER):
 
 bench-peers: install $(LLAMA_SERVER)
 	$(BIN)/python benchmarks/peers.py --llama-server $(LLAMA_SERVER) $(PEERS_ARGS)
+
+# every llama.cpp graph timed inside specrun serve and llama-server exact on the same requests (~2 min;
+# PASS_ARGS: --workload, --setting, --systems, --reps)
+PASS_ARGS ?=
+bench-pass-times: install $(LLAMA_SERVER)
+	$(BIN)/python benchmarks/pass_times.py $(PASS_ARGS)
 
 lint: install
 	$(BIN)/ruff check gguf_spec kernels cli tests benchmarks
