@@ -195,6 +195,8 @@ class _Loader(threading.Thread):
                 params = replace(params, spec=resolve_auto(engines[0], params.spec))
                 for e in engines:
                     e.set_spec(params.spec)
+                for e in engines[1:]:   # the calibration's pass costs, for every slot
+                    e.pass_cost = engines[0].pass_cost.copy()
             stem = os.path.splitext(os.path.basename(model.path))[0]
             config = ServerConfig(alias=opt["alias"] or (kw["model"] if kw["model"] in KNOWN_MODELS else stem),
                                   sampling=opt["sampling"], n_predict=kw["n_predict"], spec=params.spec,

@@ -70,6 +70,9 @@ class PassCost:
         seen[0] = min(seen[0] + 1, 32)
         seen[1] += SHAPE_W * (seconds / self.scale - seen[1])
 
+    def copy(self) -> PassCost:
+        return PassCost({r: list(v) for r, v in self.sums.items()}, self.scale)
+
     def line(self) -> tuple[float, float]:
         """(c0, c1) of base(r) = c0 + c1 * r, least squares over the per-r means (one point:
         through it with the prior's slope ratio)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -440,11 +441,14 @@ class Engine:
             else:
                 st.t_prompt_s = time.perf_counter() - t0
 
-    def _measure_pass_cost(self, max_rows: int) -> None:
+    def _measure_pass_cost(self, max_rows: int, rounds: int = 3) -> None:
         """Time target passes of 1, 2, 4, ... max_rows rows past the KV cache's end, then remove
         them (as a rejected draft's rows are; a hybrid model's through a checkpoint of its state
-        before them): what --spec-draft-adaptive needs to know before any
-        draft was long. Once per engine, ~0.6 s on Gemma 3 270M up to 33 rows on 2 threads."""
+        before them): what --spec-draft-adaptive needs to know before any draft was long. `rounds`
+        interleaved rounds, the median per row count, made non-decreasing in rows: a single pass
+        is often off by half (SmolLM2, 2 threads: 2-8 rows once read 1.5-1.7x their median), and a
+        row count the policy then avoids is never timed again. Once per engine, unless seeded
+        (seed_pass_cost: auto's calibration); ~1 s on Gemma 3 270M up to 17 rows on 2 threads."""
         n = len(self.kv_tokens)
         rows = sorted({1, *(r for r in (2, 4, 8, 16, 32, 64) if r < max_rows), max_rows})
         if n + max_rows >= self.n_ctx:
@@ -452,17 +456,36 @@ class Engine:
         if self.model.recurrent and n:       # a hybrid model goes back through a checkpoint
             self.ctx.checkpoint()
         toks = np.zeros(max_rows, dtype=np.int32)
-        for r in rows:
-            t = time.perf_counter()
-            self.ctx.decode(toks[:r], n, "all")
-            self.pass_cost.record(r, time.perf_counter() - t)
-            if self.model.recurrent:
-                if n:
-                    self.ctx.restore()
-                else:
-                    self.ctx.clear()
-            elif not self.ctx.seq_rm(n, -1):
-                raise LlamaError(f"could not remove {r} measuring rows at {n}")
+        times: dict[int, list[float]] = {r: [] for r in rows}
+        for _ in range(rounds):
+            for r in rows:
+                t = time.perf_counter()
+                self.ctx.decode(toks[:r], n, "all")
+                times[r].append(time.perf_counter() - t)
+                if self.model.recurrent:
+                    if n:
+                        self.ctx.restore()
+                    else:
+                        self.ctx.clear()
+                elif not self.ctx.seq_rm(n, -1):
+                    raise LlamaError(f"could not remove {r} measuring rows at {n}")
+        self._record_curve(rows, [statistics.median(times[r]) for r in rows])
+
+    def seed_pass_cost(self, rows: Sequence[int], seconds: Sequence[float]) -> None:
+        """Start the adaptive draft length's pass-cost curve anew from measured passes: seconds[i]
+        for a target pass of rows[i] rows (ascending). auto hands over its calibration's curve
+        (median of 5 interleaved rounds), so the first adaptive generation measures nothing; the
+        engine's own passes refine it from there."""
+        self.pass_cost = PassCost()
+        self._record_curve(rows, seconds)
+
+    def _record_curve(self, rows: Sequence[int], seconds: Sequence[float]) -> None:
+        """Each (rows, seconds) into pass_cost, made non-decreasing in rows (noise must not make
+        more rows look cheaper)."""
+        top = 0.0
+        for r, t in zip(rows, seconds, strict=True):
+            top = max(top, t)
+            self.pass_cost.record(int(r), top)
         log.info("target pass cost: %s", ", ".join(f"{r} rows {self.pass_cost.at(r) * 1e3:.1f} ms" for r in rows))
 
     def _propose(self, drafters: list[Drafter], ctx: np.ndarray, k_cap: int, lens: list[DraftLength], n_min: int,

@@ -452,6 +452,32 @@ def test_auto_tries_every_ngram_type_and_runs_the_winner(smollm_path, capsys, wi
         assert said.startswith(f"spec auto: {winner}")
 
 
+def test_auto_seeds_the_adaptive_pass_costs_from_its_calibration(smollm_path, capsys):
+    """auto's verify-cost curve (median of 5 rounds) becomes the engine's pass costs, made
+    non-decreasing; the first adaptive generation then times no passes of its own, and its text is
+    plain's."""
+    with engine_for(smollm_path, ("ngram-simple",)) as engine:
+        rows, ms = (1, 2, 4, 8, 16, 17), (10.0, 14.0, 13.0, 31.0, 55.0, 61.0)   # 4 rows read below 2: noise
+
+        def curve(engine, prompt, candidates, **_):
+            v = VerifyCost(rows, tuple(m * MS for m in ms), tuple(m * MS for m in ms), tuple(m * MS for m in ms))
+            return Costs(v, 0.01, tuple(DrafterCost(c, (ProbeRun(c.n_max, 32, 32, 0, 0, 0, (), 0.01, 0.0),), 0.0, 0.0)
+                                        for c in {replace(c, n_max=0): c for c in candidates}.values()))
+
+        spec = resolve_auto(engine, SpecParams(), None, measure=curve)
+        assert spec.adaptive and set(engine.pass_cost.sums) == set(rows)
+        assert [round(engine.pass_cost.at(r) / MS, 6) for r in rows] == [10.0, 14.0, 14.0, 31.0, 55.0, 61.0]
+
+        def no_probe(*a, **k):
+            raise AssertionError("the seeded engine timed passes again")
+
+        prompt = engine.tokenize("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
+        plain = [t for c in engine.generate(prompt, 24, SamplingParams(temp=0.0)) for t in c]
+        engine._measure_pass_cost = no_probe
+        got = [t for c in engine.generate(prompt, 24, SamplingParams(temp=0.0), spec=spec) for t in c]
+        assert got == plain
+
+
 @pytest.mark.slow
 def test_auto_calibration_probes_every_ngram_type(smollm_path):
     """The live calibration probes each n-gram type on the prompt and predicts it from its own

@@ -158,7 +158,9 @@ def test_ngram_mod_drafts_reach_its_n_max_within_the_exact_cap(engine):
     again = engine.generate(prompt, 100, GREEDY, spec=spec)
     assert [t for step in again for t in step] == text[:100]
     d = again.stats.drafters[0]
-    assert len(d.acc_per_pos) == 62 and d.acc_per_pos[61] > 0      # a 62-token draft, accepted to its end
+    # a 62-token draft, accepted past the 48 that once bounded it (to its end where the text does not
+    # loop: on an AMD EPYC; on an Intel Xeon, whose kernels write another text, to its 60th token)
+    assert len(d.acc_per_pos) == 62 and d.acc_per_pos[48] > 0
 
 
 def test_ngram_drafts_are_bounded_by_size_m_not_n_max(engine):

@@ -33,7 +33,7 @@ def test_shim_times_every_graph_of_a_real_run(tmp_path, smollm_path):
     steps = [g for g in graphs[1:] if g.rows == 1]
     assert len(steps) >= 3
     assert all(g.ms > 0 and g.nodes == graphs[0].nodes for g in steps)   # the same model's graph
-    assert all(b.start >= a.start + a.ms for a, b in zip(graphs, graphs[1:]))   # one after another, in order
+    assert all(b.start >= a.start + a.ms - 0.01 for a, b in zip(graphs, graphs[1:], strict=False))   # in order
 
 
 def test_parse_skips_torn_lines():

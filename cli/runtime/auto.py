@@ -3,7 +3,9 @@
 The engine is opened with every spec type the files allow (loading.available_types), then
 resolve_auto() runs kernels.calibrate on it (a few seconds: the verify-cost curve and short greedy
 probes of the prompt) and returns the SpecParams to generate with; the reason goes to stderr as
-one line. The setting with the best predicted speedup runs as it was calibrated; when none is
+one line. The calibration's verify-cost curve seeds the engine's pass costs (what
+--spec-draft-adaptive weighs a draft length by), so its first generation measures none. The
+setting with the best predicted speedup runs as it was calibrated; when none is
 predicted faster, or an ngram-simple setting won on the built-in prompt of chat and serve (not the
 request's text), ngram-simple stays on with --spec-draft-adaptive, which holds it back (0 rows, the
 engine scores its whole proposals instead) on text it does not predict. Every n-gram type of
@@ -68,6 +70,9 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
     cands = auto_candidates(engine, replace(base, adaptive=False))
     choice = calibrate_with_progress(engine, prompt_tokens, cands, measure=measure)
     spec, reason = choice.spec, choice.reason
+    verify = choice.costs.verify if choice.costs is not None else None
+    if verify is not None and len(verify.rows) >= 3 and min(verify.s) > 0:
+        engine.seed_pass_cost(verify.rows, verify.s)   # the adaptive length starts from this curve
     # an n-gram setting chosen on the request's own prompt runs as it was calibrated (the probes saw
     # this text pay); on the built-in prompt, ngram-simple goes adaptive (the setting that won, or
     # n3 m16 when another n-gram type won there: the built-in text says little of the requests').
