@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import random
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -362,6 +361,7 @@ class Engine:
                 return
             if spec.adaptive and drafters and len(self.pass_cost.sums) < 3:
                 self._measure_pass_cost(min(max(n_lim) + 1, self.n_max_cap + 1))
+                t0 = time.perf_counter()   # a once-per-engine probe, as loading: not the prompt's time
             n_past = len(prompt)
             logits = self._prefill(prompt, drafters, opts, st, cancel)
             if logits is None:
@@ -441,14 +441,15 @@ class Engine:
             else:
                 st.t_prompt_s = time.perf_counter() - t0
 
-    def _measure_pass_cost(self, max_rows: int, rounds: int = 3) -> None:
+    def _measure_pass_cost(self, max_rows: int, rounds: int = 2) -> None:
         """Time target passes of 1, 2, 4, ... max_rows rows past the KV cache's end, then remove
         them (as a rejected draft's rows are; a hybrid model's through a checkpoint of its state
         before them): what --spec-draft-adaptive needs to know before any draft was long. `rounds`
-        interleaved rounds, the median per row count, made non-decreasing in rows: a single pass
-        is often off by half (SmolLM2, 2 threads: 2-8 rows once read 1.5-1.7x their median), and a
-        row count the policy then avoids is never timed again. Once per engine, unless seeded
-        (seed_pass_cost: auto's calibration); ~1 s on Gemma 3 270M up to 17 rows on 2 threads."""
+        interleaved rounds, the fastest per row count (noise only adds time: one pass once read
+        1.5-1.7x at 2-8 rows on SmolLM2, and a row count the policy then avoids is never timed
+        again), made non-decreasing in rows. Once per engine, unless seeded (seed_pass_cost:
+        auto's calibration), and not counted as prompt time; ~0.6 s on Gemma 3 270M up to 17 rows
+        on 2 threads."""
         n = len(self.kv_tokens)
         rows = sorted({1, *(r for r in (2, 4, 8, 16, 32, 64) if r < max_rows), max_rows})
         if n + max_rows >= self.n_ctx:
@@ -469,7 +470,7 @@ class Engine:
                         self.ctx.clear()
                 elif not self.ctx.seq_rm(n, -1):
                     raise LlamaError(f"could not remove {r} measuring rows at {n}")
-        self._record_curve(rows, [statistics.median(times[r]) for r in rows])
+        self._record_curve(rows, [min(times[r]) for r in rows])
 
     def seed_pass_cost(self, rows: Sequence[int], seconds: Sequence[float]) -> None:
         """Start the adaptive draft length's pass-cost curve anew from measured passes: seconds[i]
