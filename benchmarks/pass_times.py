@@ -2,6 +2,7 @@
 
     python benchmarks/pass_times.py [--workload code-rewrite-smollm2] [--setting "ngram-simple n3 m16"]
         [--systems "specrun,llama-server exact"] [--reps 6]        # or: make bench-pass-times
+        [--also "GOMP_SPINCOUNT=10000000" --also "--no-fast-prefill"]   # more specrun servers beside them
 
 exact_peers.py can show two systems drafting the same tokens at different tok/s; this says where the
 time differs. benchmarks/pass_times.c, built here with cc into build/peers/ and preloaded into each
@@ -13,8 +14,10 @@ in graphs and the rest of the request (tokenizing, HTTP, Python or C++ between p
 outside graph compute); per graph group, graphs per request and mean ms. A group is (role, rows):
 role "target" for graphs with at least half the most nodes seen (the target's passes, the prompt's
 chunks), else "N nodes" (a draft model's step, an EAGLE-3 fusion, an MTP head). Systems as in
-exact_peers.py (llama-server exact: exact mode's flags). Every server up at once, the requests
-rotating among them, one warm-up each, an unrelated prompt before each request (peers.FLUSH).
+exact_peers.py (llama-server exact: exact mode's flags); each --also adds a specrun server named
+"specrun SPEC", where SPEC's leading NAME=VALUE words are its environment and the rest extra flags
+(an A/B of a setting or an environment variable in the same run). Every server up at once, the
+requests rotating among them, one warm-up each, an unrelated prompt before each request (peers.FLUSH).
 Writes benchmarks/results/pass_times.json and .md.
 """
 
@@ -25,6 +28,8 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -80,6 +85,23 @@ def build_shim(src: Path = SHIM_SRC, out: Path = SHIM) -> Path:
     return out
 
 
+def variant(system: str) -> tuple[list[str], list[str]]:
+    """("specrun SPEC") -> (SPEC's leading NAME=VALUE words: environment, the rest: extra flags)."""
+    words = shlex.split(system.removeprefix("specrun").strip())
+    n = 0
+    while n < len(words) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[n]):
+        n += 1
+    return words[:n], words[n:]
+
+
+def server(system: str, model: str, path: str, setting, args) -> list[str]:
+    """exact_peers' command for a system; "specrun SPEC" is specrun's with SPEC's environment and flags."""
+    if not system.startswith("specrun "):
+        return command(system, model, path, setting, args)
+    env, flags = variant(system)
+    return ["env", *env, *command("specrun", model, path, setting, args), *flags]
+
+
 def parse(text: str) -> list[Graph]:
     """The shim's lines (start ms, duration ms, nodes, rows); a torn last line is skipped."""
     out = []
@@ -119,11 +141,11 @@ def run(args) -> list[dict]:
     with contextlib.ExitStack() as stack:
         live = {}
         for sys_ in args.systems:
-            tag = sys_.replace(" ", "_")
+            tag = re.sub(r"[^A-Za-z0-9_.=-]+", "_", sys_)
             times = LOGS / f"pass_times-{tag}.txt"
             times.parent.mkdir(parents=True, exist_ok=True)
             times.write_text("")
-            cmd = ["env", f"LD_PRELOAD={shim}", f"PASS_TIMES={times}", *command(sys_, w.model, path, setting, args)]
+            cmd = ["env", f"LD_PRELOAD={shim}", f"PASS_TIMES={times}", *server(sys_, w.model, path, setting, args)]
             url, _ = stack.enter_context(serving(cmd, LOGS / f"pass_times-{tag}.log"))
             live[sys_] = (url, times)
         for rep in range(-1, args.reps):
@@ -205,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workload", default="code-rewrite-smollm2")
     ap.add_argument("--setting", default="ngram-simple n3 m16")
     ap.add_argument("--systems", default="specrun,llama-server exact")
+    ap.add_argument("--also", action="append", default=[], metavar="SPEC",
+                    help='one more specrun server: leading NAME=VALUE words its environment, the rest its extra flags')
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -212,15 +236,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "pass_times.json"))
     ap.add_argument("--from-json", help="render an earlier run's JSON instead of measuring")
     args = ap.parse_args(argv)
-    args.systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    args.systems = [x.strip() for x in args.systems.split(",") if x.strip()] + [f"specrun {a}" for a in args.also]
     bad = ({args.workload} - {w.name for w in WORKLOADS}) | ({args.setting} - {s.name for s in SETTINGS}) \
-        | (set(args.systems) - set(SYSTEMS))
+        | ({x for x in args.systems if not x.startswith("specrun ")} - set(SYSTEMS))
     if bad:
         ap.error(f"unknown workload, setting or system: {', '.join(sorted(bad))}")
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
     else:
-        if any(x != "specrun" for x in args.systems) and not Path(args.llama_server).is_file():
+        if any(not x.startswith("specrun") for x in args.systems) and not Path(args.llama_server).is_file():
             ap.error(f"no llama-server at {args.llama_server}: `make peers-server` builds it")
         commit, dirty = git_state()
         try:

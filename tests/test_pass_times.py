@@ -74,3 +74,16 @@ def test_summary_and_table():
     assert "| target | 17 | 2.00 × 10.000 | 2.00 × 11.000 | 0.909 |" in md
     assert "| drafted / accepted (all reps) | 64 / 60 | 64 / 60 | |" in md
     assert "Texts: the same for every request." in md
+
+
+def test_also_servers_are_specrun_with_their_environment_and_flags():
+    from types import SimpleNamespace
+
+    assert pass_times.variant("specrun GOMP_SPINCOUNT=10000000 OMP_WAIT_POLICY=PASSIVE --no-fast-prefill") == (
+        ["GOMP_SPINCOUNT=10000000", "OMP_WAIT_POLICY=PASSIVE"], ["--no-fast-prefill"])
+    assert pass_times.variant("specrun --spec-draft-n-max 4") == ([], ["--spec-draft-n-max", "4"])
+    args = SimpleNamespace(threads=2, ctx=4096, specrun="specrun", llama_server="/bin/llama-server")
+    none = next(s for s in pass_times.SETTINGS if s.name == "none")
+    cmd = pass_times.server("specrun X=1 --no-fast-prefill", "gemma-3-270m", "/m.gguf", none, args)
+    assert cmd[:5] == ["env", "X=1", "specrun", "serve", "-m"] and cmd[-1] == "--no-fast-prefill"
+    assert pass_times.server("specrun", "gemma-3-270m", "/m.gguf", none, args)[:2] == ["specrun", "serve"]
