@@ -241,6 +241,11 @@ def main(argv: list[str] | None = None) -> None:
         | ({x for x in args.systems if not x.startswith("specrun ")} - set(SYSTEMS))
     if bad:
         ap.error(f"unknown workload, setting or system: {', '.join(sorted(bad))}")
+    for a in args.also:
+        try:
+            shlex.split(a)
+        except ValueError as e:
+            ap.error(f"--also {a!r}: {e}; quote it as a shell would, e.g. --also \"GOMP_SPINCOUNT=1e7 --no-fast-prefill\"")
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
     else:

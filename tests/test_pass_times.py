@@ -87,3 +87,12 @@ def test_also_servers_are_specrun_with_their_environment_and_flags():
     cmd = pass_times.server("specrun X=1 --no-fast-prefill", "gemma-3-270m", "/m.gguf", none, args)
     assert cmd[:5] == ["env", "X=1", "specrun", "serve", "-m"] and cmd[-1] == "--no-fast-prefill"
     assert pass_times.server("specrun", "gemma-3-270m", "/m.gguf", none, args)[:2] == ["specrun", "serve"]
+
+
+def test_an_unparsable_also_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        pass_times.main(["--also", "X='1", "--from-json", "/nonexistent.json"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(": error: --also \"X='1\": No closing quotation; quote it as a shell would, "
+                        "e.g. --also \"GOMP_SPINCOUNT=1e7 --no-fast-prefill\"")   # after argparse's prog name
