@@ -47,13 +47,14 @@ import numpy as np
 from specrun.gguf_spec.errors import SpecrunError
 
 from .drafters import draft_n_max, make_drafter
+from .draftlen import curve_rows
 from .llama import MAX_EXACT_BATCH
 from .params import NGRAM_TYPES, SpecParams
 from .types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-VERIFY_ROWS = (1, 2, 4, 8, 16)
+VERIFY_ROWS = tuple(curve_rows(17))   # the verify-cost curve's pass sizes (they seed the adaptive length's t(r))
 PER_TOKEN_DRAFTERS = ("draft-mtp", "draft-simple", "draft-eagle3")   # a decode per drafted token; n-grams: one lookup
 MARGIN = 0.10            # choose a speculative setting only when predicted > 1 + MARGIN
 GREEDY = SamplingParams(temp=0.0)

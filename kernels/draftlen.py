@@ -41,6 +41,24 @@ PRIOR = (1.0, 1.0)   # (accepted, rejected): a = 0.5 before the first draft
 PRIOR_COPY = (4.0, 0.0)   # free (n-gram) drafters, past a copy's first token: rate 0.9 with PRIOR's first
 LEVEL_W = 0.5        # weight of one pass in PassCost's level (its noise moves every t(r) alike)
 SHAPE_W = 1 / 16     # ... and in its shape, base(r)
+# The pass sizes timed before t(r) is used (the engine's probe, auto's calibration), those up to the
+# longest pass; t(r) is linear between them. Both sides of every 4th row: llama.cpp's CPU matmuls take
+# the rows in blocks of 4 on x86, and the row past a block costs most (Xeon, 2 threads, 200-token
+# context: SmolLM2 8 -> 9 rows 39.4 -> 45.8 ms, 16 -> 17 70.2 -> 77.3; Gemma 3 270M 4 -> 5 34.6 -> 50.8,
+# 16 -> 17 91.6 -> 100.7, 7 rows = 8), so a draft of 4k - 1 tokens pays where one more does not.
+# Replayed on 39 texts with the true 1..49-row curve (benchmarks/draft_length_replay.py's texts,
+# ngram-simple n3 m16 adaptive, 128 tokens), the policy that reads t(r) through 1, 2, 4, 8, 16 makes
+# 1.56-1.57x none (geometric mean), through these sizes 1.63x, through every size 1.63x; fixed n3 m16
+# 1.39x. Live, a size first seen in a generation also sets its base from one pass at that context's
+# depth while the probed ones stay near the probe's: with 1, 2, 4, 8, 16 a 12-row pass read 16 %
+# dearer than the line through 8 and 16 rows, and SmolLM2's code rewrite took 18-20 passes (184 tok/s)
+# where fixed n3 m16 takes 12 (195).
+CURVE_ROWS = (1, 2, 4, 5, 8, 9, 12, 13, 16, 17, 32, 33, 64)
+
+
+def curve_rows(max_rows: int) -> list[int]:
+    """The pass sizes to time for t(r) up to max_rows (>= 1): CURVE_ROWS below it, and max_rows."""
+    return sorted({*(r for r in CURVE_ROWS if r < max_rows), max_rows})
 
 
 @dataclass(slots=True)
