@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specrun.gguf_spec.registry import resolve_model
 from specrun.kernels.calibrate import measure_verify_cost
-from specrun.kernels.draftlen import PassCost
+from specrun.kernels.draftlen import PassCost, curve_rows
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams, SpecParams
 from specrun.kernels.types import SamplingParams
@@ -61,7 +61,7 @@ class FrozenCost(PassCost):
         self.rows.append(rows)
 
 
-CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33)
+CURVE_ROWS = tuple(curve_rows(33))   # the engine's probe's pass sizes (kernels/draftlen.py), up to 33 rows
 
 
 def measure_curve(e: Engine, rows: tuple[int, ...] = CURVE_ROWS) -> dict[int, list[float]]:

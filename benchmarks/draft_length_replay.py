@@ -6,9 +6,11 @@ benchmarks/draft_length.py runs the policy live on the 9 peers workloads, and on
 moves a workload's speed by 10 %. A change to kernels/draftlen.py needs more texts than that, and
 quickly: here each text is generated once (greedy, exact mode, `none`; cached under
 build/draft_length_replay/), and the engine's n-gram loop is replayed on it without the model. A
-pass's rows are priced by the model's pass-cost curve, measured once per run (the verify-cost rounds
-of kernels/calibrate, 1..49 rows at a 200-token depth) and frozen. tests/test_draft_length_replay.py
-checks that the replay makes the engine's own passes.
+pass's rows are priced by the model's pass-cost curve, measured once per run at every size from 1 to
+49 rows (the verify-cost rounds of kernels/calibrate, at a 200-token depth) and frozen; the adaptive
+length reads it where the engine would have timed it (draftlen.curve_rows, linear between), so a
+step between those sizes costs it what it costs the engine. tests/test_draft_length_replay.py checks
+that the replay makes the engine's own passes.
 
 The texts: the peers workloads' prompts (benchmarks/prompts/) and 31 more built from this Python's
 standard library sources and docstrings: verbatim copies, code rewrites, free text, JSON to table, a
@@ -38,19 +40,19 @@ import numpy as np
 
 from specrun.gguf_spec.registry import resolve_model
 from specrun.kernels.drafters.ngram_simple import NgramSimple
-from specrun.kernels.draftlen import DraftLength
+from specrun.kernels.draftlen import DraftLength, curve_rows
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams
 from specrun.kernels.types import common_prefix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # run from anywhere: the scripts import each other
-from draft_length import CURVE_ROWS, GREEDY, PROMPTS, WORKLOADS, FrozenCost, measure_curve  # noqa: E402
+from draft_length import GREEDY, PROMPTS, WORKLOADS, FrozenCost, measure_curve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "build" / "draft_length_replay" / "texts.json"
 GEMMA, SMOLLM2 = "gemma-3-270m", "smollm2-135m-instruct"
 PEERS = {**WORKLOADS, "long-prompt": (GEMMA, "long_prompt.txt"), "long-prompt-smollm2": (SMOLLM2, "long_prompt.txt")}
-REPLAY_ROWS = (*CURVE_ROWS, 40, 49)   # up to size-m 48
+REPLAY_ROWS = tuple(range(1, 50))   # every pass size up to size-m 48's: the passes are priced by these
 EXACT_CAP = 62     # the engine's longest draft in exact mode (kernels/engine.py n_max_cap)
 
 
@@ -124,10 +126,12 @@ def frozen(curve: dict[int, float]) -> FrozenCost:
 
 
 def replay(prompt: list[int], gen: list[int], curve: dict[int, float], size_m: int, adaptive: bool,
-           size_n: int = 3) -> dict:
+           size_n: int = 3, truth: dict[int, float] | None = None) -> dict:
     """The engine's loop (kernels/engine.py Engine._run) for one ngram-simple drafter, greedy, on a
     known text: prompt, then gen (the model's own tokens; gen[0] comes from the prompt's pass).
-    curve: {rows: seconds}, frozen. Returns the passes' rows and their modeled seconds."""
+    curve: {rows: seconds}, frozen: what the policy reads (the engine's: measured at
+    draftlen.curve_rows, linear between); truth: what the passes cost (default: curve). Returns the
+    passes' rows and their modeled seconds."""
     cost = frozen(curve)
     d = NgramSimple(size_n, size_m)
     d.begin(np.asarray(prompt, dtype=np.int32))
@@ -147,7 +151,13 @@ def replay(prompt: list[int], gen: list[int], curve: dict[int, float], size_m: i
             dl.record(len(draft), n_ok, cost)
         ctx += text[pos:pos + n_ok + 1]
         dl.score(ctx, cost)
-    return {"rows": rows, "modeled_s": sum(cost.at(r) for r in rows)}
+    priced = cost if truth is None else frozen(truth)
+    return {"rows": rows, "modeled_s": sum(priced.at(r) for r in rows)}
+
+
+def read_at(curve: dict[int, float], size_m: int) -> dict[int, float]:
+    """The points of a measured curve that the engine times for a size-m cap (draftlen.curve_rows)."""
+    return {r: curve[r] for r in curve_rows(min(size_m, EXACT_CAP) + 1)}
 
 
 def best_cut(n_ok: int, cost: FrozenCost) -> int:
@@ -217,7 +227,8 @@ def main() -> None:
         curve = curves[d["model"]]
         none_s = (len(d["gen"]) - 1) * curve[1]
         x = {"fixed m16": none_s / replay(d["prompt"], d["gen"], curve, 16, False)["modeled_s"]}
-        x |= {f"adaptive m{s}": none_s / replay(d["prompt"], d["gen"], curve, s, True)["modeled_s"] for s in sizes}
+        x |= {f"adaptive m{s}": none_s / replay(d["prompt"], d["gen"], read_at(curve, s), s, True, truth=curve)["modeled_s"]
+              for s in sizes}
         x |= {f"foresight m{s}": none_s / foresight(d["prompt"], d["gen"], curve, s) for s in (16, max(sizes))}
         rows.append({"text": w, "model": d["model"], "prompt_tokens": len(d["prompt"]), "tokens": len(d["gen"]), **x})
     geo = {c: math.exp(sum(math.log(r[c]) for r in rows) / len(rows)) for c in cols}
