@@ -11,6 +11,7 @@ from specrun.kernels.draftlen import (
     DraftLength,
     PassCost,
     best_length,
+    curve_rows,
     expected_tokens,
     score_shadow,
 )
@@ -27,6 +28,33 @@ def cost(c0: float, c1: float) -> PassCost:
     c.record(1, c0 + c1)
     c.record(9, c0 + 9 * c1)
     return c
+
+
+def test_curve_rows_time_both_sides_of_every_4th_row():
+    assert curve_rows(1) == [1] and curve_rows(3) == [1, 2, 3]
+    assert curve_rows(17) == [1, 2, 4, 5, 8, 9, 12, 13, 16, 17]
+    assert curve_rows(49) == [1, 2, 4, 5, 8, 9, 12, 13, 16, 17, 32, 33, 49]
+    assert curve_rows(63)[-3:] == [32, 33, 63]
+
+
+# SmolLM2 in exact mode on the Xeon, 2 threads, 200-token context: ms of a pass of r rows (blocks of 4)
+XEON_SMOLLM2 = {1: 11.7, 2: 15.9, 3: 19.5, 4: 23.3, 5: 29.7, 6: 33.5, 7: 37.5, 8: 39.4, 9: 45.8, 10: 49.9,
+                11: 53.9, 12: 54.6, 13: 60.8, 14: 64.5, 15: 68.3, 16: 70.2, 17: 77.3}
+
+
+def test_a_sure_copy_stops_before_the_row_that_starts_a_block():
+    """Read through curve_rows, t(r) shows the step at 17 rows: a copy sure to be right is drafted
+    to 15 tokens (16 rows, 16 tokens in 70.2 ms) rather than 16 (17 in 77.3). Through 1, 2, 4, 8, 16
+    only, 17 rows read as the slope past 16 and the 16-token draft looked better."""
+    def read_at(rows):
+        c = PassCost()
+        for r in rows:
+            c.record(r, XEON_SMOLLM2[r] / 1e3)
+        return c
+    assert best_length(1.0, read_at(curve_rows(17)), 16, 0) == 15
+    assert best_length(1.0, read_at((1, 2, 4, 8, 16)), 16, 0) == 16
+    # and 11 tokens (12 rows: 54.6 ms) where a 12-token draft (13 rows, 60.8) would cost more per token
+    assert best_length(1.0, read_at(curve_rows(17)), 12, 0) == 11
 
 
 def test_pass_cost_line_and_prior():
@@ -332,3 +360,24 @@ def test_adaptive_ngram_drafter_is_held_back_when_wrong_and_output_unchanged(smo
         right = NgramSimple(3, 16, 1)                                # the real one on a copy: drafts and is right
         gen = e.generate(prompt, 64, greedy, spec=spec, drafters=[right])
         assert [t for c in gen for t in c] == plain and gen.stats.drafters[0].n_acc_tokens > 0
+
+
+def test_the_engines_probe_times_the_curve_rows_once(smollm_path):
+    """Before its first adaptive generation the engine times one target pass of each curve_rows size
+    up to the longest draft's pass (ngram-simple size-m 16: 17 rows), leaves the KV as it was (the
+    text is plain's), and does not time them again for the next generation."""
+    from specrun.kernels.engine import Engine
+    from specrun.kernels.params import EngineParams, SpecParams
+    from specrun.kernels.types import SamplingParams
+
+    greedy = SamplingParams(temp=0.0)
+    with Engine(str(smollm_path), EngineParams(n_ctx=1024, n_threads=2)) as e:
+        prompt = e.tokenize("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
+        plain = [t for c in e.generate(prompt, 24, greedy) for t in c]
+        probed: list[int] = []
+        measure = e._measure_pass_cost
+        e._measure_pass_cost = lambda max_rows, **k: (probed.append(max_rows), measure(max_rows, **k))
+        spec = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16, verify="match", adaptive=True)
+        for _ in range(2):
+            assert [t for c in e.generate(prompt, 24, greedy, spec=spec) for t in c] == plain
+        assert probed == [17] and set(curve_rows(17)) <= set(e.pass_cost.sums)
