@@ -208,8 +208,8 @@ def tables(res: BenchResult, meta: dict) -> list[tuple[str, Table]]:
     t = Table(box=box.ROUNDED)
     for c in ("rows", "ms", "min–max", "× 1 row"):
         t.add_column(c, justify="right")
-    for r, ms, lo, hi in zip(v.rows, v.s, v.s_min, v.s_max, strict=True):
-        t.add_row(str(r), f"{ms * 1e3:.2f}", f"{lo * 1e3:.2f}–{hi * 1e3:.2f}", f"{ms / v.s[0]:.2f}")
+    for r, ms, lo, hi in zip(v.rows, v.measured, v.s_min, v.s_max, strict=True):
+        t.add_row(str(r), f"{ms * 1e3:.2f}", f"{lo * 1e3:.2f}–{hi * 1e3:.2f}", f"{ms / v.measured[0]:.2f}")
     out = [(f"verify pass cost by rows on this machine (KV depth {v.depth}, {n_thr} thread{'s' * (n_thr != 1)}, "
              f"median of {meta['verify_reps']})", t)]
     for p in res.prompts:
@@ -226,7 +226,8 @@ def tables(res: BenchResult, meta: dict) -> list[tuple[str, Table]]:
 
 def verify_dicts(v: VerifyCost) -> list[dict]:
     return [{"rows": r, "ms": round(ms * 1e3, 2), "ms_min": round(lo * 1e3, 2), "ms_max": round(hi * 1e3, 2),
-             "x_single": round(ms / v.s[0], 2)} for r, ms, lo, hi in zip(v.rows, v.s, v.s_min, v.s_max, strict=True)]
+             "x_single": round(ms / v.measured[0], 2)}
+            for r, ms, lo, hi in zip(v.rows, v.measured, v.s_min, v.s_max, strict=True)]
 
 
 def to_json(res: BenchResult, meta: dict) -> dict:

@@ -74,10 +74,17 @@ class VerifyCost:
     """D(r): decode time of r rows with logits at KV depth `depth`. All tuples are [len(rows)]."""
 
     rows: tuple[int, ...]
-    s: tuple[float, ...]          # median seconds, made non-decreasing in rows
+    s: tuple[float, ...]          # median seconds, made non-decreasing in rows (what at() reads)
     s_min: tuple[float, ...]
     s_max: tuple[float, ...]
     depth: int = 0
+    s_median: tuple[float, ...] = ()   # the medians as measured (empty: s); a pass of more rows can be
+                                       # cheaper (Gemma 3 270M: 12 rows below 9, a block of 4 rows each)
+
+    @property
+    def measured(self) -> tuple[float, ...]:
+        """[len(rows)] median seconds as measured, before the non-decreasing step."""
+        return self.s_median or self.s
 
     def at(self, r: float) -> float:
         """D(r) in seconds, linear between measured rows (and beyond the last, on its slope)."""
@@ -300,11 +307,12 @@ def measure_verify_cost(engine, prompt_tokens: Sequence[int], rows: Sequence[int
                 on_step(f"verify cost, round {rep + 1}/{reps + 1}")
     finally:
         engine.reset()
-    med = [statistics.median(times[r]) for r in rows]
+    raw = [statistics.median(times[r]) for r in rows]
+    med = list(raw)
     for i in range(1, len(med)):               # noise must not make more rows look cheaper
         med[i] = max(med[i], med[i - 1])
     return VerifyCost(rows, tuple(med), tuple(min(times[r]) for r in rows),
-                      tuple(max(times[r]) for r in rows), n0)
+                      tuple(max(times[r]) for r in rows), n0, tuple(raw))
 
 
 def _probe_once(engine, prompt: np.ndarray, n_probe: int, spec: SpecParams) -> tuple:

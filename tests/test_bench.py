@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specrun.cli.bench_cmd import BenchPrompt, Setting, parse_settings, run_bench, tables
+from specrun.cli.bench_cmd import BenchPrompt, Setting, parse_settings, run_bench, tables, verify_dicts
 from specrun.cli.main import cli
 from specrun.cli.runtime.auto import resolve_auto
 from specrun.cli.runtime.loading import available_types
@@ -27,6 +27,7 @@ from specrun.kernels.calibrate import (
     choose,
     fit_drafter,
     measure,
+    measure_verify_cost,
     predict,
     setting_name,
 )
@@ -310,6 +311,20 @@ def test_choose_from_injected_costs(t1, curve, acc, t_tok, f, margin, expected):
         assert c.reason.startswith(f"draft-mtp n-max {expected[1]}: predicted ×")
     else:
         assert c.reason.startswith("none: ")
+
+
+def test_verify_cost_reads_non_decreasing_and_bench_shows_what_was_measured(smollm_path):
+    """A pass of more rows can cost less (rows in blocks): the curve at() reads is made non-decreasing,
+    the bench table and JSON show the medians as measured (a lifted median above its own max read as
+    a bug). Live: the medians of 1, 4, 9 and 12 rows on SmolLM2."""
+    with engine_for(smollm_path, ()) as engine:
+        v = measure_verify_cost(engine, engine.tokenize("one two three four " * 10), rows=(1, 4, 9, 12), reps=1)
+    assert all(a <= b for a, b in zip(v.s, v.s[1:], strict=False)) and v.measured == v.s_median
+    assert all(lo <= m <= hi for m, lo, hi in zip(v.measured, v.s_min, v.s_max, strict=True))
+    dip = VerifyCost((1, 9, 12), (0.010, 0.030, 0.030), (0.009, 0.029, 0.027), (0.011, 0.031, 0.029), 0,
+                     (0.010, 0.030, 0.028))
+    assert [d["ms"] for d in verify_dicts(dip)] == [10.0, 30.0, 28.0] and dip.at(12) == 0.030
+    assert verify_dicts(VerifyCost((1, 2), (0.01, 0.02), (0.01, 0.02), (0.01, 0.02)))[1]["x_single"] == 2.0
 
 
 def test_fit_reproduces_both_probes_and_ngram_without_matches_is_never_chosen():
