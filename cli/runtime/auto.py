@@ -1,7 +1,7 @@
 """`--spec-type auto`: choose the spec type and draft length for this model on this machine.
 
 The engine is opened with every spec type the files allow (loading.available_types), then
-resolve_auto() runs kernels.calibrate on it (a few seconds: the verify-cost curve and short greedy
+resolve_auto() runs kernels.calibrate on it (10-20 s on 2 threads: the verify-cost curve and short greedy
 probes of the prompt) and returns the SpecParams to generate with; the reason goes to stderr as
 one line. The calibration's verify-cost curve seeds the engine's pass costs (what
 --spec-draft-adaptive weighs a draft length by), so its first generation measures none. The
