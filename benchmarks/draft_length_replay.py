@@ -2,7 +2,7 @@
 
     python benchmarks/draft_length_replay.py [--sizes 16,32,48] [-n 200] [--out FILE.json]
 
-benchmarks/draft_length.py runs the policy live on the 9 peers workloads, and one decision on one text
+benchmarks/draft_length.py runs the policy live on 7 of the peers workloads, and one decision on one text
 moves a workload's speed by 10 %. A change to kernels/draftlen.py needs more texts than that, and
 quickly: here each text is generated once (greedy, exact mode, `none`; cached under
 build/draft_length_replay/), and the engine's n-gram loop is replayed on it without the model. A
