@@ -173,6 +173,15 @@ _logits_ith = _addr_fn(L.llama_get_logits_ith)
 _nextn = _addr_fn(X.llama_get_embeddings_nextn)
 _nextn_ith = _addr_fn(X.llama_get_embeddings_nextn_ith)
 
+try:   # the draft loop in C (kernels/_draftloop.c), built by `pip install` where a compiler is
+    from . import _draftloop
+except ImportError:   # pragma: no cover - an install without the compiled part
+    _draftloop = None
+    log.info("specrun.kernels._draftloop is not built: model drafters run their draft loop in Python")
+_fn_addr = {name: ctypes.cast(fn, ctypes.c_void_p).value for name, fn in (
+    ("decode", L.llama_decode), ("logits_ith", L.llama_get_logits_ith),
+    ("nextn_ith", X.llama_get_embeddings_nextn_ith))}
+
 
 # ---- model -----------------------------------------------------------------------------------
 
@@ -735,6 +744,32 @@ class Context:
             raise LlamaError(f"llama_get_embeddings_nextn_ith({self.n_rows - 1}) returned NULL (nextn export "
                              "not enabled, or that row was not an output)")
         self._decode_rows((token,), pos, p, "last")
+
+    def draft_chain(self, pos0: int, n_max: int, n_vocab: int, p_min: float, *, chained: bool) -> np.ndarray | None:
+        """Greedy draft steps from the last decode, in C (kernels/_draftloop.c): step 0 drafts the
+        argmax of the logits of the last decode's last row; step i > 0 first decodes the token of
+        step i - 1 at position pos0 + i, by decode_chained() when chained (an MTP or EAGLE-3 draft)
+        else by decode([token], pos0 + i), then drafts the argmax of that row's logits. A step whose
+        token has a softmax probability below p_min ends the draft, undrafted. Only the first
+        n_vocab logits are read. Returns int32 [n] (n <= n_max): what the same loop in Python
+        (DraftTokens.add over logits_rows()[-1]) drafts; None where the C loop is not built.
+        requires: the last decode had logits for its last row (and its hidden row, when chained).
+        Raises LlamaError on a failed decode, after which the KV holds the steps done before it."""
+        if _draftloop is None or n_max <= 0:
+            return None if _draftloop is None else np.zeros(0, dtype=np.int32)
+        out = np.empty(n_max, dtype=np.int32)
+        n, n_decoded, err = _draftloop.chain(
+            self.ptr, ctypes.addressof(self._batch), _fn_addr["decode"],
+            _fn_addr["logits_ith"], _fn_addr["nextn_ith"] if chained else 0, self.n_rows - 1, pos0, n_max,
+            n_vocab, float(p_min), out.ctypes.data)
+        if n_decoded:
+            self.n_rows = self.n_outputs = 1
+        if err:
+            what = {-1001: "no hidden row (nextn export off, or the row was not an output)",
+                    -1002: "no logits for the last row"}.get(err, f"llama_decode returned {err}")
+            raise LlamaError(f"draft step {n} (position {pos0 + n}): {what}"
+                             + ("; the KV cache is full, raise -c" if err == 1 else ""))
+        return out[:n]
 
     def _decode_rows(self, tokens, pos0: int, rows: int, logits: str) -> None:
         """decode() of tokens with hidden rows float32 [n, hidden_width] at address `rows`:

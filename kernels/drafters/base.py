@@ -5,6 +5,7 @@ index of the history and their way to tell which verify pass was theirs."""
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +14,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from ..llama import Context, Model
 from ..sampling import inverse_cdf, position_rng, transform
-from ..types import Draft, SamplingParams, TargetPass, common_prefix
+from ..types import Draft, DraftOptions, SamplingParams, TargetPass, common_prefix
 
 _DRAFT_STREAM = 3  # random stream of draft sampling, apart from the target's (0, 1, 2)
 
@@ -121,6 +122,41 @@ class DraftTokens:
 
     def draft(self) -> Draft:
         return Draft(np.asarray(self.tokens, dtype=np.int32), np.stack(self._qs) if self._qs else None)
+
+
+def draft_steps(ctx: Context, opts: DraftOptions, n_max: int, n_past: int, n_vocab: int, *, chained: bool,
+                shift: int = 0, on_step: Callable[[int], None] | None = None) -> Draft:
+    """A model drafter's draft loop. requires: ctx's last decode left, in its last row, the logits
+    of the token after id_last (text position n_past).
+
+    Step i drafts the token of text position n_past + 1 + i by draft_token() (opts) from the first
+    n_vocab logits of ctx's last row. Before it, step i > 0 decodes step i - 1's token at ctx
+    position n_past + i - shift (shift 1: EAGLE-3, whose row p reads the token of p + 1): by
+    decode_chained() when chained (MTP, EAGLE-3: the row carries the last row's hidden state), else by
+    decode() (a draft model); on_step(i) runs before that decode (an MTP with several heads picks
+    head i). At
+    most n_max tokens; the steps decode min(len(draft), n_max - 1) of them, the first ones.
+
+    Greedy and without on_step, the loop runs in C where it is built (Context.draft_chain); it drafts
+    the same tokens as the Python loop below."""
+    greedy = opts.sampling is None or opts.sampling.greedy
+    if greedy and on_step is None:
+        toks = ctx.draft_chain(n_past - shift, n_max, n_vocab, opts.p_min, chained=chained)
+        if toks is not None:
+            return Draft(toks, None)
+    d = DraftTokens(opts.sampling, opts.p_min)
+    tok: int | None = None
+    for i in range(n_max):
+        if i > 0:
+            if on_step is not None:
+                on_step(i)
+            if chained:
+                ctx.decode_chained(tok, n_past + i - shift)
+            else:
+                ctx.decode([tok], n_past + i - shift, "last")
+        if (tok := d.add(ctx.logits_rows()[-1][:n_vocab], n_past + 1 + i)) is None:
+            break
+    return d.draft()
 
 
 class NgramIndex:

@@ -35,7 +35,7 @@ from specrun.gguf_spec.spec import load_spec
 
 from ..llama import Context, ContextParams, Model
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
-from .base import DraftRows, DraftTokens, TargetView
+from .base import DraftRows, TargetView, draft_steps
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +113,8 @@ class DraftEagle3:
         # decoder graph selects no output rows; each costs a copy of n_vocab floats and room in the
         # output buffer, so after a long prompt the rows before the last FOLD_ROWS go first)
         self.kv.write(self.toks, tok, self.G, FOLD_ROWS, "all")
-        d = DraftTokens(self.opts.sampling, self.opts.p_min)
-        for i in range(n_max):
-            if i > 0:      # (d_i, the last row's pre-norm state)
-                self.ctx.decode_chained(tok, n_past - 1 + i)
-            if (tok := d.add(self.ctx.logits_rows()[-1], n_past + 1 + i)) is None:
-                break
+        # then rows (d_i, the last row's pre-norm state) at n_past + i - 1
+        d = draft_steps(self.ctx, self.opts, n_max, n_past, self.ctx.n_vocab, chained=True, shift=1)
         if not self.ctx.seq_rm(n_past, -1):
             raise SpecrunError(f"EAGLE-3 context could not drop its draft rows after position {n_past}")
-        return d.draft()
+        return d

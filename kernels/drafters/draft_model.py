@@ -20,7 +20,7 @@ from specrun.gguf_spec.spec import load_spec
 from ..llama import Context, ContextParams, Model
 from ..prefill import FastPrefill, fast_len
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
-from .base import DraftTokens, TargetView
+from .base import TargetView, draft_steps
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +94,10 @@ class DraftModel:
         self._sync(ctx)
         if self.model.recurrent:     # a hybrid draft model rolls its drafted tokens back to here
             self.ctx.checkpoint()
-        d = DraftTokens(self.opts.sampling, self.opts.p_min)
-        pos = self._draft_at = len(ctx)  # position of the first drafted token
-        while (tok := d.add(self.ctx.logits_rows()[-1][: self.n_vocab_target], pos + len(d))) is not None \
-                and len(d) < n_max:
-            self.ctx.decode([tok], pos + len(d) - 1, "last")
-            self.kv.append(tok)
-        return d.draft()
+        self._draft_at = len(ctx)  # position of the first drafted token
+        d = draft_steps(self.ctx, self.opts, n_max, len(ctx) - 1, self.n_vocab_target, chained=False)
+        self.kv.extend(int(t) for t in d.tokens[:n_max - 1])   # the steps decoded all but the last
+        return d
 
     def accept(self, tp: TargetPass) -> None:
         """Forget the drafted tokens the target rejected, so the next propose() re-syncs from the

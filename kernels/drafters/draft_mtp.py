@@ -24,7 +24,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from ..llama import Context, ContextParams, Model
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
-from .base import DraftRows, DraftTokens, TargetView
+from .base import DraftRows, TargetView, draft_steps
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +103,9 @@ class DraftMTP:
         # state (nextn "all"): with outputs only, llama.cpp's MTP graph hands back a batch's first rows
         self._head(0)
         self.kv.write(self.toks, tok, self.H, self.ctx.n_batch, "last")
-        d = DraftTokens(self.opts.sampling, self.opts.p_min)
-        for i in range(n_max):
-            if i > 0:      # (d_i, the last step's own hidden row)
-                self._head(i)
-                self.ctx.decode_chained(tok, n_past + i)
-            if (tok := d.add(self.ctx.logits_rows()[0], n_past + 1 + i)) is None:
-                break
+        # then rows (d_i, the last step's own hidden row) at n_past + i
+        d = draft_steps(self.ctx, self.opts, n_max, n_past, self.ctx.n_vocab, chained=True,
+                        on_step=self._head if self.n_heads > 1 else None)
         if not self.ctx.seq_rm(n_past + 1, -1):
             raise SpecrunError(f"MTP context could not drop its draft rows after position {n_past}")
-        return d.draft()
+        return d
