@@ -745,23 +745,21 @@ class Context:
                              "not enabled, or that row was not an output)")
         self._decode_rows((token,), pos, p, "last")
 
-    def draft_chain(self, pos0: int, n_max: int, n_vocab: int, p_min: float, *, chained: bool) -> np.ndarray | None:
+    def draft_chain(self, pos0: int, n_max: int, n_vocab: int, *, chained: bool) -> np.ndarray | None:
         """Greedy draft steps from the last decode, in C (kernels/_draftloop.c): step 0 drafts the
-        argmax of the logits of the last decode's last row; step i > 0 first decodes the token of
-        step i - 1 at position pos0 + i, by decode_chained() when chained (an MTP or EAGLE-3 draft)
-        else by decode([token], pos0 + i), then drafts the argmax of that row's logits. A step whose
-        token has a softmax probability below p_min ends the draft, undrafted. Only the first
-        n_vocab logits are read. Returns int32 [n] (n <= n_max): what the same loop in Python
-        (DraftTokens.add over logits_rows()[-1]) drafts; None where the C loop is not built.
+        argmax of the first n_vocab logits of the last decode's last row; step i > 0 first decodes
+        step i - 1's token at position pos0 + i, by decode_chained() when chained (an MTP or EAGLE-3
+        draft) else by decode([token], pos0 + i), then drafts the argmax of that row's logits.
+        Returns int32 [n_max]: what the same loop in Python (DraftTokens.add over logits_rows()[-1],
+        p_min 0) drafts; None where the C module is not built.
         requires: the last decode had logits for its last row (and its hidden row, when chained).
-        Raises LlamaError on a failed decode, after which the KV holds the steps done before it."""
-        if _draftloop is None or n_max <= 0:
-            return None if _draftloop is None else np.zeros(0, dtype=np.int32)
-        out = np.empty(n_max, dtype=np.int32)
+        Raises LlamaError on a failed step, after which the KV holds the steps decoded before it."""
+        if _draftloop is None:
+            return None
+        out = np.empty(max(n_max, 0), dtype=np.int32)
         n, n_decoded, err = _draftloop.chain(
-            self.ptr, ctypes.addressof(self._batch), _fn_addr["decode"],
-            _fn_addr["logits_ith"], _fn_addr["nextn_ith"] if chained else 0, self.n_rows - 1, pos0, n_max,
-            n_vocab, float(p_min), out.ctypes.data)
+            self.ptr, ctypes.addressof(self._batch), _fn_addr["decode"], _fn_addr["logits_ith"],
+            _fn_addr["nextn_ith"] if chained else 0, self.n_rows - 1, pos0, n_max, n_vocab, out.ctypes.data)
         if n_decoded:
             self.n_rows = self.n_outputs = 1
         if err:

@@ -137,11 +137,11 @@ def draft_steps(ctx: Context, opts: DraftOptions, n_max: int, n_past: int, n_voc
     head i). At
     most n_max tokens; the steps decode min(len(draft), n_max - 1) of them, the first ones.
 
-    Greedy and without on_step, the loop runs in C where it is built (Context.draft_chain); it drafts
-    the same tokens as the Python loop below."""
+    Greedy, without p_min and without on_step, the loop runs in C where it is built
+    (Context.draft_chain); it drafts the same tokens as the Python loop below."""
     greedy = opts.sampling is None or opts.sampling.greedy
-    if greedy and on_step is None:
-        toks = ctx.draft_chain(n_past - shift, n_max, n_vocab, opts.p_min, chained=chained)
+    if greedy and opts.p_min == 0 and on_step is None:
+        toks = ctx.draft_chain(n_past - shift, n_max, n_vocab, chained=chained)
         if toks is not None:
             return Draft(toks, None)
     d = DraftTokens(opts.sampling, opts.p_min)

@@ -96,7 +96,7 @@ class DraftModel:
             self.ctx.checkpoint()
         self._draft_at = len(ctx)  # position of the first drafted token
         d = draft_steps(self.ctx, self.opts, n_max, len(ctx) - 1, self.n_vocab_target, chained=False)
-        self.kv.extend(int(t) for t in d.tokens[:n_max - 1])   # the steps decoded all but the last
+        self.kv.extend(int(t) for t in d.tokens[:n_max - 1])   # what the steps decoded (draft_steps)
         return d
 
     def accept(self, tp: TargetPass) -> None:
