@@ -173,7 +173,7 @@ _logits_ith = _addr_fn(L.llama_get_logits_ith)
 _nextn = _addr_fn(X.llama_get_embeddings_nextn)
 _nextn_ith = _addr_fn(X.llama_get_embeddings_nextn_ith)
 
-try:   # the draft loop in C (kernels/_draftloop.c), built by `pip install` where a compiler is
+try:   # the draft loop in C (kernels/_draftloop.c), built by `pip install` where it finds a C compiler
     from . import _draftloop
 except ImportError:   # pragma: no cover - an install without the compiled part
     _draftloop = None

@@ -134,8 +134,8 @@ def draft_steps(ctx: Context, opts: DraftOptions, n_max: int, n_past: int, n_voc
     position n_past + i - shift (shift 1: EAGLE-3, whose row p reads the token of p + 1): by
     decode_chained() when chained (MTP, EAGLE-3: the row carries the last row's hidden state), else by
     decode() (a draft model); on_step(i) runs before that decode (an MTP with several heads picks
-    head i). At
-    most n_max tokens; the steps decode min(len(draft), n_max - 1) of them, the first ones.
+    head i). At most n_max tokens; the steps decode min(len(draft), n_max - 1) of them, the first
+    ones.
 
     Greedy, without p_min and without on_step, the loop runs in C where it is built
     (Context.draft_chain); it drafts the same tokens as the Python loop below."""
