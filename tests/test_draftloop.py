@@ -1,8 +1,9 @@
 """The model drafters' greedy draft loop in C (kernels/_draftloop.c, Context.draft_chain) drafts
 what the same loop in Python drafts (kernels/drafters/base.py draft_steps), token for token, on
 real llama.cpp passes: draft-mtp and draft-eagle3 (chained rows, noisy heads: partial acceptance)
-and draft-simple (SmolLM2 drafting for itself: plain token rows). The two loops run interleaved on one engine, with the C module taken away for the Python
-one, and must give the same drafts pass by pass and the same text, which is plain decoding's.
+and draft-simple (SmolLM2 drafting for itself: plain token rows). The two loops run interleaved on
+one engine, with the C module taken away for the Python one, and must give the same drafts pass by
+pass and the same text, which is plain decoding's.
 """
 
 from __future__ import annotations
