@@ -70,6 +70,25 @@ def test_logprobs_are_the_same_with_and_without_speculation(ngram_server):
     assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == x.logprob for x in ca)
 
 
+def test_logprobs_cover_the_text_a_stop_string_cut(ngram_server):
+    """With a stop string, logprobs hold the tokens that begin inside the returned text, as
+    llama-server drops the stop word's: one cut at a token boundary, one inside a token (which
+    keeps the token it splits), and the text and numbers as the run without a stop."""
+    c = ngram_server.client()
+    kw = dict(model=MODEL, prompt="Repeat exactly:\n" + REPEAT, max_tokens=24, temperature=0, logprobs=1)
+    full = c.completions.create(**kw).choices[0]
+    toks, text = full.logprobs.tokens, full.text
+    assert "".join(toks) == text and len(toks) >= 8
+    for stop in (toks[5], toks[6][1:] or toks[7]):      # a whole token's text; the end of one
+        cut = text.index(stop)
+        want = [i for i, off in enumerate(full.logprobs.text_offset) if off < cut]
+        got = c.completions.create(**kw, stop=stop).choices[0]
+        assert got.text == text[:cut] and got.finish_reason == "stop"
+        assert got.logprobs.tokens == [toks[i] for i in want], stop
+        assert got.logprobs.token_logprobs == [full.logprobs.token_logprobs[i] for i in want]
+        assert all(off < len(got.text) for off in got.logprobs.text_offset)
+
+
 CONTROLS = [   # (request fields, what the text must look like), each against the same request without them
     ({"repeat_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.5, "repeat_last_n": 64}, None),
     ({"grammar": 'root ::= "The quick brown fox" [^.]*'}, r"The quick brown fox[^.]*"),   # copies, without periods

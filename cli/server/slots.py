@@ -98,8 +98,22 @@ def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: thre
     c = run.result
     st = c.stats
     cached = len(job.prompt) - st.n_prompt if st.n_gen else 0   # n_gen == 0: no prefill (n_predict 0)
-    lp = None if gen.logprobs is None else gen.logprobs[:len(c.tokens)]
+    lp = None
+    if gen.logprobs is not None:   # a stop string's tokens past the returned text are not part of it
+        lp = gen.logprobs[:text_tokens(engine.model, c.tokens, c.text) if c.stop == "word" else len(c.tokens)]
     return Outcome(c.text, c.tokens, _STOP_TYPE.get(c.stop, "limit"), c.stopping_word, cached, st, lp)
+
+
+def text_tokens(model, tokens: list[int], text: str) -> int:
+    """How many of `tokens` begin inside `text` (the text they decode to, cut short): a token that
+    a cut splits counts, the ones after it do not. By bytes, so a character split across tokens
+    is handled: " Paris" + "." cut at "." -> 1; cut at "aris" (text " P") -> 1; at the start -> 0."""
+    n_bytes, at = len(text.encode("utf-8")), 0
+    for i, t in enumerate(tokens):
+        if at >= n_bytes:
+            return i
+        at += len(model.piece(t))
+    return len(tokens)
 
 
 class Busy(Exception):
