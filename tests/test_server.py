@@ -383,6 +383,7 @@ LONG = "lorem ipsum " * 400   # > 512 tokens
 BAD = [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, "invalid_json"),
     ("/v1/completions", b"prompt=hello", 400, "invalid_json"),
+    ("/v1/completions", b'{"prompt": "x", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json"),
     ("/v1/completions", {"prompt": 5}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "invalid_value"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "invalid_value"),

@@ -18,6 +18,8 @@ Speculative options travel per request in an extra body field:
 
 from __future__ import annotations
 
+import sys
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -61,6 +63,9 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if isinstance(exc.__cause__, RecursionError):   # FastAPI's "error parsing the body" from json.loads
+            return ApiError(400, "the request body is not valid JSON here: it nests deeper than the JSON parser "
+                                 f"allows (about {sys.getrecursionlimit()} levels); send a flatter object", "invalid_json").response()
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         return ApiError(exc.status_code, msg, str(exc.detail).lower().replace(" ", "_"), exc.headers).response()
 
