@@ -67,18 +67,21 @@ class LineReader:
         if self.session is None:
             line = sys.stdin.readline()
             return line.rstrip("\n") if line else None
-        while True:
-            try:
-                return self.session.prompt(prompt)
-            except KeyboardInterrupt:       # Ctrl-C at the prompt clears the line
-                continue
-            except EOFError:
-                return None
+        try:
+            return self.session.prompt(prompt)
+        except EOFError:
+            return None
 
     def read(self) -> str | None:
         lines: list[str] = []
         while True:
-            line = self._line("> " if not lines else "... ")
+            try:
+                line = self._line("> " if not lines else "... ")
+            except KeyboardInterrupt:
+                if self.session is None:
+                    raise
+                lines.clear()     # Ctrl-C drops what is being typed, continuation lines too (as a shell)
+                continue
             if line is None:
                 return "\n".join(lines) if lines else None
             if line.endswith("\\"):

@@ -420,6 +420,12 @@ def test_terminal_paste_continuation_ctrl_c_at_the_prompt_and_ctrl_d(tmp_path, s
         s.wait("half a line")
         child.sendintr()                                         # clears the line, the session stays
         s.wait(">")
+        child.sendline("dropped \\")
+        s.wait(r"\.\.\.")
+        child.send("and this")
+        s.wait("and this")
+        child.sendintr()                                         # drops the continued message: a fresh prompt
+        s.wait(">")
         child.sendline(f"/save {saved}")
         s.wait("saved 4 messages")
         s.wait(">")
