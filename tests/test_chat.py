@@ -315,6 +315,12 @@ def test_model_without_a_template_is_one_line(tmp_path):
     assert len(stats) == 2 and "stopped at -n" in stats[0] and "+ 0 cached" not in stats[1]
 
 
+def test_help_shows_the_model_chat_loads_without_m():
+    r = invoke("chat", "--help", input="")
+    assert r.exit_code == 0 and "[default: smollm2-135m-instruct]" in r.output
+    assert "[default: gemma-3-270m]" in invoke("run", "--help", input="").output
+
+
 def test_history_path(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECRUN_HISTORY", str(tmp_path / "h"))
     assert history_path() == tmp_path / "h"

@@ -84,8 +84,13 @@ def _seed(ctx, param, value):
     return value
 
 
-def model_options(f):
-    @click.option("-m", "--model", "model", envvar="SPECRUN_MODEL", default="gemma-3-270m", show_default=True,
+def model_options(f=None, *, default: str = "gemma-3-270m"):
+    """The model and context flags; @model_options, or @model_options(default=NAME) for a command
+    whose -m defaults to another model (chat: DEFAULT_CHAT_MODEL)."""
+    if f is None:
+        return functools.partial(model_options, default=default)
+
+    @click.option("-m", "--model", "model", envvar="SPECRUN_MODEL", default=default, show_default=True,
                   help="GGUF path, or a known model name (gemma-3-270m, smollm2-135m-instruct)")
     @click.option("-md", "--model-draft", "--spec-draft-model", "model_draft", default=None,
                   help="draft GGUF for --spec-type draft, an EAGLE-3 draft for draft-eagle3, or MTP heads (from "
