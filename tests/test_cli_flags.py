@@ -54,6 +54,17 @@ def test_unknown_single_dash_option_is_refused_by_its_own_name(tiny, args, words
     assert "Invalid value" not in r.stderr and "'-s'" not in r.stderr and "'-n'" not in r.stderr
 
 
+@pytest.mark.parametrize("flag, value", [("--temp", "nan"), ("--temp", "inf"), ("--top-p", "nan"),
+                                         ("--min-p", "nan"), ("--repeat-penalty", "nan"),
+                                         ("--presence-penalty", "-inf"), ("--frequency-penalty", "nan")])
+def test_a_sampling_number_that_is_not_finite_is_refused(tiny, flag, value):
+    """NaN passes click's ranges (every comparison is false): it was a traceback at --temp, and
+    silently off at --top-p and --min-p."""
+    r = gen(tiny["full"], "-n", "2", flag, value)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert f"Invalid value for '{flag}': {value} is not a number to sample with: give a finite value" in r.stderr
+
+
 def test_llamacpp_spellings_parse_and_unapplied_flags_say_why_in_one_line_each(tiny):
     r = gen(tiny["full"], "-n", "2", "-ngl", "99", "-ngld", "all", "-fa", "off", "-ctk", "f16", "-ctv", "q4_0",
             "-ub", "256", "-tb", "1", "-t", "2", "--mlock", "--no-mmap", "-lm", "none")
