@@ -256,6 +256,9 @@ def test_llama_cpp_flags_pass_to_llama_server_and_are_named_for_the_others(f):
     (["--to", "vllm", "-m", "{T}", "--spec-type", "draft-mtp"],
      "Error: --spec-type draft-mtp: trunk.gguf has no MTP heads (nextn_predict_layers 0); use a model with MTP heads, "
      "or give its heads as -md HEADS.gguf"),
+    (["--to", "llama-server", "--spec-type", "draft", "-md", "smollm2-135m-instruct"],    # as run refuses it
+     "Error: draft model smollm2-135m-instruct cannot draft for full.gguf: draft vocab (49152 tokens) differs from "
+     "target (512) by more than 128"),
     (["--to", "vllm", "-m", "{ET}", "-md", "{H}", "--spec-type", "draft-eagle3"],
      "Error: -md heads.gguf cannot be used with --spec-type draft-eagle3: it holds MTP heads (architecture qwen35), "
      "not an EAGLE-3 draft; "),

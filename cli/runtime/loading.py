@@ -15,7 +15,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from specrun.gguf_spec.compat import check_eagle3_compatible, eagle3_problem
+from specrun.gguf_spec.compat import check_draft_compatible, check_eagle3_compatible, eagle3_problem
 from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import ModelSpec, load_spec
 from specrun.kernels.engine import Engine
@@ -32,7 +32,7 @@ def available_types(model_path: str | os.PathLike, draft_path: str | os.PathLike
 
 def types_for(model: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:
     """The spec types a model (and an -md file) allow, in llama.cpp's order: the n-gram types
-    always; draft-simple when -md is a whole model; draft-eagle3 when -md is an EAGLE-3 draft that
+    always; draft-simple when -md is a whole model that can draft for it; draft-eagle3 when -md is an EAGLE-3 draft that
     fits the model; draft-mtp when the model (or -md, a heads-only file) has MTP heads."""
     types = list(NGRAM_TYPES)
     if draft is not None:
@@ -40,7 +40,8 @@ def types_for(model: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:
             if check_eagle3_compatible(model, draft).ok:
                 types.append("draft-eagle3")
         elif draft.has_trunk:
-            types.append("draft-simple")
+            if check_draft_compatible(model, draft).ok:
+                types.append("draft-simple")
         elif draft.has_mtp:
             types.append("draft-mtp")
     if "draft-mtp" not in types and model.has_mtp:
@@ -116,6 +117,10 @@ def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
         if not c.ok:
             raise IncompatibleDraft(f"EAGLE-3 draft {name} cannot draft for {path.name}: {c.reason}")
     params = replace(params, spec=replace(params.spec, types=draft_types(params, draft, name if draft else "")))
+    if draft is not None and "draft-simple" in params.spec.types:   # before any loading, and for export too
+        c = check_draft_compatible(spec, draft)
+        if not c.ok:
+            raise IncompatibleDraft(f"draft model {name} cannot draft for {path.name}: {c.reason}")
     if params.spec.types == AUTO:
         params = replace(params, spec=replace(params.spec, types=available_types(path, params.draft_model)))
     if params.placement is not None and "draft-mtp" in params.spec.types and not params.draft_model:
