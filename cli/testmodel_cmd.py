@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from specrun.gguf_spec.extract import extract_mtp, extract_trunk
+from specrun.gguf_spec.extract import ExtractError, extract_mtp, extract_trunk
+from specrun.gguf_spec.output import check_output, same_file
 from specrun.gguf_spec.testmodel import SHAPES, Head, SynthConfig, SynthConfigError
 from specrun.gguf_spec.testmodel_eagle3 import SHAPES as EAGLE3_SHAPES
 from specrun.gguf_spec.testmodel_eagle3 import Eagle3Config
@@ -197,7 +198,10 @@ def extract_mtp_cmd(model, out, trunk_only, quant, threads, verbose):
     if quant is None:
         r = extract(model, out)
     else:
-        fd, tmp_name = tempfile.mkstemp(suffix=".gguf", dir=out.parent)
+        if same_file(model, out):
+            raise ExtractError(f"output {out} is the input file; choose another name")
+        check_output(out, file_only=True)                # before the temporary file goes next to it
+        fd, tmp_name = tempfile.mkstemp(suffix=".gguf", dir=out.resolve().parent)
         os.close(fd)
         tmp = Path(tmp_name)
         try:

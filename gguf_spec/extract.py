@@ -29,6 +29,7 @@ from pathlib import Path
 import gguf
 
 from .errors import SpecrunError
+from .output import same_file, writing
 from .spec import BoundedReader, MtpLayout, open_gguf, read_layout
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -56,9 +57,9 @@ def _layer_of(name: str) -> int | None:
 
 
 def _copy(reader: BoundedReader, dst: Path, layout: MtpLayout, keep_layer, kv_edit) -> ExtractResult:
-    if dst.exists() and dst.resolve() == reader.path.resolve():
+    if same_file(dst, reader.path):                       # a hard or symbolic link to it too
         raise ExtractError(f"output {dst} is the input file; choose another name")
-    writer = gguf.GGUFWriter(dst, layout.arch)
+    writer = gguf.GGUFWriter(None, layout.arch)           # the file is opened by write_header_to_file
     align = reader.fields.get(gguf.Keys.General.ALIGNMENT)
     if align is not None:
         writer.data_alignment = int(align.contents())
@@ -73,12 +74,13 @@ def _copy(reader: BoundedReader, dst: Path, layout: MtpLayout, keep_layer, kv_ed
     tensors = [t for t in reader.tensors if (il := _layer_of(t.name)) is None or keep_layer(il)]
     for t in tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in tensors:
-        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-    writer.close()
+    with writing(dst) as out:
+        writer.write_header_to_file(out)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.close()
     return ExtractResult(dst, layout, len(tensors), sum(int(t.n_bytes) for t in tensors))
 
 

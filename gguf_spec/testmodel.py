@@ -45,6 +45,7 @@ import gguf
 import numpy as np
 
 from .errors import SpecrunError
+from .output import writing
 from .spec import open_gguf
 
 ARCH = "qwen35"
@@ -321,7 +322,7 @@ def write_test_model(path: str | Path, cfg: SynthConfig = TINY, dtype: str = "f1
     tokens, types, merges = tokenizer_for(cfg.n_vocab)
     eot = cfg.n_vocab - 1
 
-    w = gguf.GGUFWriter(path, A)
+    w = gguf.GGUFWriter(None, A)                  # the file is opened by write_header_to_file
     w.add_name(f"specrun synthetic {A} + MTP")
     w.add_description(f"specrun make-test-model: {cfg.describe()}")
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16))
@@ -359,8 +360,9 @@ def write_test_model(path: str | Path, cfg: SynthConfig = TINY, dtype: str = "f1
             a = a.astype(np.float16)
         w.add_tensor(name, a)
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    with writing(path) as out:
+        w.write_header_to_file(out)
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
     return path

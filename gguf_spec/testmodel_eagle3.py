@@ -40,6 +40,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from .output import same_file, writing
 from .spec import (
     EAGLE3_ARCH,
     KEY_NORM_BEFORE_RESIDUAL,
@@ -259,10 +260,10 @@ def _add(w: gguf.GGUFWriter, name: str, a: np.ndarray, dtype: str) -> None:
         w.add_tensor(name, a)
 
 
-def _finish(w: gguf.GGUFWriter, tensors: dict[str, np.ndarray], dtype: str) -> None:
+def _finish(w: gguf.GGUFWriter, path: Path, tensors: dict[str, np.ndarray], dtype: str) -> None:
     for name, a in tensors.items():
         _add(w, name, a, dtype)
-    w.write_header_to_file()
+    w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
@@ -275,18 +276,25 @@ def write_eagle3_pair(target: str | Path, draft: str | Path, cfg: Eagle3Config =
     if dtype not in DTYPES:
         raise SynthConfigError(f"the EAGLE-3 test models are written as {', '.join(DTYPES)}, not '{dtype}'")
     target, draft = Path(target), Path(draft)
-    w = gguf.GGUFWriter(target, TARGET_ARCH)
+    if same_file(target, draft):
+        raise SynthConfigError(f"the target and the draft are the same file ({target}); give two names")
+    with writing(target) as target_out, writing(draft) as draft_out:     # both checked before either is written
+        _write_pair(target_out, draft_out, cfg, dtype)
+    return target, draft
+
+
+def _write_pair(target: Path, draft: Path, cfg: Eagle3Config, dtype: str) -> None:
+    w = gguf.GGUFWriter(None, TARGET_ARCH)
     w.add_name(f"specrun synthetic {TARGET_ARCH} (EAGLE-3 target)")
     w.add_description(f"specrun make-test-model --eagle3: {cfg.describe()}")
     _common(w, cfg, dtype, cfg.n_layer)
-    _finish(w, target_tensors(cfg), dtype)
+    _finish(w, target, target_tensors(cfg), dtype)
 
-    w = gguf.GGUFWriter(draft, DRAFT_ARCH)
+    w = gguf.GGUFWriter(None, DRAFT_ARCH)
     w.add_name(f"specrun synthetic {DRAFT_ARCH} draft")
     w.add_description(f"specrun make-test-model --eagle3: {cfg.describe()}")
     _common(w, cfg, dtype, 1)
     w.add_array(KEY_TARGET_LAYERS.format(arch=DRAFT_ARCH), list(cfg.extract_layers))
     w.add_uint32(KEY_TARGET_HIDDEN_SIZE.format(arch=DRAFT_ARCH), cfg.n_embd)
     w.add_bool(KEY_NORM_BEFORE_RESIDUAL.format(arch=DRAFT_ARCH), False)
-    _finish(w, draft_tensors(cfg), dtype)
-    return target, draft
+    _finish(w, draft, draft_tensors(cfg), dtype)

@@ -36,6 +36,7 @@ import gguf
 import llama_cpp as L
 
 from specrun.gguf_spec.errors import SpecrunError
+from specrun.gguf_spec.output import same_file, writing
 from specrun.gguf_spec.spec import open_gguf, read_layout
 
 log = logging.getLogger(__name__)
@@ -207,16 +208,17 @@ def quantize(src: str | Path, dst: str | Path, ftype: str = "q4_k_m", *,
         mtp_type = _norm_name(mtp_type, TENSOR_TYPES, "MTP type (or 'same', 'none')")
     if not src.is_file():
         raise QuantizeError(f"{src}: no such file")
-    if src.resolve() == dst.resolve():
-        raise QuantizeError(f"input and output are the same file ({src})")
+    if same_file(src, dst):                               # a hard or symbolic link to it too
+        raise QuantizeError(f"input and output are the same file ({src}, {dst}); choose another output name")
     t0 = time.perf_counter()
     user = list(overrides)
 
-    if mtp_type != "same":
-        policy, tok = mtp_overrides(src, ftype, mtp_type)
-        _run_quantize(src, dst, ftype, user + policy, tok, nthread, allow_requantize, "quantize", on_progress)
-    else:
-        policy, tok = _same_policy(src, dst, ftype, user, nthread, allow_requantize, on_progress)
+    with writing(dst, file_only=True) as out:             # checked before llama.cpp writes anything
+        if mtp_type != "same":
+            policy, tok = mtp_overrides(src, ftype, mtp_type)
+            _run_quantize(src, out, ftype, user + policy, tok, nthread, allow_requantize, "quantize", on_progress)
+        else:
+            policy, tok = _same_policy(src, out, ftype, user, nthread, allow_requantize, on_progress)
     return QuantizeResult(dst, ftype, mtp_type, tuple(user + policy), tok, src.stat().st_size,
                           dst.stat().st_size, time.perf_counter() - t0)
 

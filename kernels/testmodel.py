@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specrun.gguf_spec.output import check_output
 from specrun.gguf_spec.testmodel import SynthConfig, write_test_model
 from specrun.gguf_spec.testmodel_eagle3 import DTYPES as EAGLE3_DTYPES
 from specrun.gguf_spec.testmodel_eagle3 import Eagle3Config, write_eagle3_pair
@@ -34,6 +35,7 @@ def build_test_model(path: str | Path, cfg: SynthConfig, quant: str = "f16", *, 
     if "_k" in quant and (cfg.n_embd % 256 or cfg.n_ff % 256):
         raise QuantizeError(f"{quant} needs n_embd and n_ff to be multiples of 256 (K-quant super-blocks); "
                             f"got n_embd {cfg.n_embd}, n_ff {cfg.n_ff}")
+    check_output(path, file_only=True)                  # before the F32 file goes next to it
     tmp = path.with_name(path.name + ".f32.tmp")
     try:
         write_test_model(tmp, cfg, "f32")

@@ -3,6 +3,9 @@ exits 1 with that line on stderr), never a traceback, a hang or gigabytes of mem
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import struct
 import time
 import tracemalloc
@@ -19,6 +22,7 @@ from specrun.cli.main import cli
 from specrun.gguf_spec.errors import GGUFError
 from specrun.gguf_spec.extract import ExtractError, NoMtpHeads, extract_mtp, extract_trunk
 from specrun.gguf_spec.spec import ModelSpec, load_spec
+from specrun.gguf_spec.testmodel import TINY, write_test_model
 
 STRING, ARRAY, UINT32 = 8, 9, 4
 
@@ -200,6 +204,71 @@ def test_unreadable_path(tmp_path):
     path = tmp_path / ("x" * 300 + ".gguf")                # stat fails with ENAMETOOLONG, even for root
     with pytest.raises(GGUFError, match=r"xxx.gguf: cannot read it \(File name too long\)$"):
         load_spec(path)
+
+
+# ---- outputs that cannot be written: one line naming the path, exit 1, nothing left behind ----
+
+NO_FOLDER = "No such file or directory (create the folder first)"
+FOLDER_IS_A_FILE = "Not a directory (a folder on the path is a file; choose another path)"
+FULL = "No space left on device (free some space or choose another disk)"
+NOT_A_FILE = "not a regular file (give a file name)"      # llama.cpp's quantizer seeks back in its output
+
+# command ({m}: a qwen35 + MTP model, {out}: the bad output, {dir}: the test's folder), what {out} is,
+# what follows "Error: cannot write {out}: "
+OUTPUT_CASES = [
+    ("make-test-model --shape tiny {out}", "in no folder", NO_FOLDER),
+    ("make-test-model --shape tiny {out}", "a full disk", FULL),
+    ("make-test-model --shape tiny --quant q8_0 -t 2 {out}", "in no folder", NO_FOLDER),
+    ("make-test-model --shape tiny --quant q8_0 -t 2 {out}", "a full disk", NOT_A_FILE),
+    ("make-test-model --shape tiny --eagle3 {out} {dir}/target.gguf", "in no folder", NO_FOLDER),
+    ("make-test-model --shape tiny --eagle3 {out} {dir}/target.gguf", "a full disk", FULL),
+    ("make-test-model --shape tiny --eagle3 {dir}/draft.gguf {out}", "in no folder", NO_FOLDER),
+    ("extract-mtp {m} -o {out}", "in no folder", NO_FOLDER),
+    ("extract-mtp {m} -o {out}", "a full disk", FULL),
+    ("extract-mtp {m} -o {out}", "under a file", FOLDER_IS_A_FILE),
+    ("extract-mtp {m} -o {out} --trunk-only", "a full disk", FULL),
+    ("extract-mtp {m} -o {out} --quant q8_0 -t 2", "in no folder", NO_FOLDER),
+    ("extract-mtp {m} -o {out} --quant q8_0 -t 2", "a full disk", NOT_A_FILE),
+    ("quantize {m} {out} q8_0 -t 2", "in no folder", NO_FOLDER),
+    ("quantize {m} {out} q8_0 -t 2", "a full disk", NOT_A_FILE),
+    ("quantize {m} {out} q8_0 -t 2", "under a file", FOLDER_IS_A_FILE),
+]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> Path:
+    return write_test_model(tmp_path_factory.mktemp("in") / "m.gguf", TINY, "f32")
+
+
+def full_disk(tmp_path: Path) -> Path:
+    """A /dev/full of the test's own (every write fails with ENOSPC), so a writer that deletes its
+    failed output cannot take the system's. Skips where it cannot be made (not root) or does not
+    act as one (a folder mounted nodev)."""
+    path = tmp_path / "full"
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+        with open(path, "wb", buffering=0) as f:
+            f.write(b"x")
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            return path
+        path.unlink(missing_ok=True)
+        pytest.skip(f"no full device of the test's own here ({e.strerror})")
+    pytest.skip("the device node made here accepts writes")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command, kind, why", OUTPUT_CASES)
+def test_an_output_that_cannot_be_written_is_one_line(mtp_model, tmp_path, command, kind, why):
+    out = {"in no folder": lambda: tmp_path / "no" / "x.gguf", "a full disk": lambda: full_disk(tmp_path),
+           "under a file": lambda: mtp_model / "x.gguf"}[kind]()
+    before = sorted(tmp_path.iterdir())
+    args = [a.format(m=mtp_model, out=out, dir=tmp_path) for a in command.split()]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert (r.exit_code, r.stdout) == (1, ""), r.output
+    assert r.stderr.strip().splitlines() == [f"Error: cannot write {out}: {why}"]
+    assert sorted(tmp_path.iterdir()) == before                 # nothing written, nothing deleted
+    assert kind != "a full disk" or out.is_char_device()
 
 
 # ---- property: any mutation or truncation of a small GGUF ends in a ModelSpec or a GGUFError ----

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -192,6 +195,33 @@ def test_extract_never_overwrites_its_input(q4, tmp_path):
         with pytest.raises(ExtractError, match="is the input file"):
             extract(copy, tmp_path / "." / "m.gguf")
     assert copy.read_bytes() == q4.read_bytes()
+
+
+SPECRUN = str(Path(sys.executable).with_name("specrun"))
+
+# another name of the input: the writers compare files, not names (a hard link as the output
+# truncated the input; quantize, which maps the input, died of SIGBUS)
+ALIASES = {"hard link": os.link, "symbolic link": lambda src, dst: os.symlink(src.resolve(), dst)}
+SAME_FILE = {
+    "quantize {m} {out} q8_0 -t 2": "Error: input and output are the same file ({m}, {out}); choose another output name",
+    "extract-mtp {m} -o {out}": "Error: output {out} is the input file; choose another name",
+    "extract-mtp {m} -o {out} --trunk-only": "Error: output {out} is the input file; choose another name",
+    "extract-mtp {m} -o {out} --quant q8_0 -t 2": "Error: output {out} is the input file; choose another name",
+}
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+@pytest.mark.parametrize("command", list(SAME_FILE))
+def test_an_alias_of_the_input_is_refused_as_the_output(f32, tmp_path, command, alias):
+    m, out = tmp_path / "m.gguf", tmp_path / "alias.gguf"
+    m.write_bytes(f32.read_bytes())
+    ALIASES[alias](m, out)
+    args = [a.format(m=m, out=out) for a in command.split()]
+    r = subprocess.run([SPECRUN, *args], capture_output=True, text=True, timeout=120)   # a crash is a failure here
+    assert (r.returncode, r.stdout) == (1, ""), r.stderr
+    assert r.stderr.strip().splitlines() == [SAME_FILE[command].format(m=m, out=out)]
+    assert m.read_bytes() == f32.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alias.gguf", "m.gguf"]
 
 
 def test_check_refuses_a_file_without_heads(q4, tmp_path):

@@ -270,3 +270,11 @@ def test_cli_bad_arguments(tmp_path, args, code, message):
     assert r.exit_code == code, r.output
     assert r.stderr.strip().splitlines()[-1] == message
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_cli_eagle3_target_and_draft_must_differ(tmp_path):
+    out = tmp_path / "m.gguf"
+    r = invoke(str(out), "--shape", "tiny", "--eagle3", str(tmp_path / "." / "m.gguf"))
+    assert r.exit_code == 1, r.output
+    assert r.stderr.strip().splitlines() == [f"Error: the target and the draft are the same file ({out}); give two names"]
+    assert not list(tmp_path.iterdir())
