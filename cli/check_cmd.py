@@ -17,6 +17,9 @@ _TEXT = ("Speculative decoding drafts several tokens cheaply and verifies them w
          "logits of a position must not depend on how many rows share its batch. ")
 
 
+MAX_CHECK_N_MAX = 255
+
+
 def context_prompt(model, n_tokens: int) -> np.ndarray:
     """A prompt of exactly n_tokens tokens (a fixed text repeated)."""
     ids = model.tokenize(_TEXT * (n_tokens // 20 + 2))
@@ -46,11 +49,20 @@ def check_exact(model, n_max, contexts, threads, no_exact, as_json, verbose):
     except ValueError:
         raise click.BadParameter("give integers separated by commas, e.g. 1,3,8", param_hint="--n-max/--context") \
             from None
+    if not all(1 <= k <= MAX_CHECK_N_MAX for k in n_maxes):
+        raise click.BadParameter(f"{n_max}: each n-max must be 1..{MAX_CHECK_N_MAX} (a verify batch of n-max + 1 "
+                                 f"rows, decoded one by one too)", param_hint="--n-max")
+    if not all(c >= 1 for c in ctxs):
+        raise click.BadParameter(f"{contexts}: each context must be at least 1 token", param_hint="--context")
     path = resolve(model)
     with err_console.status(f"loading {path.name}"):
         m = Model(str(path), exact=not no_exact)
     rows = []
     with m:
+        room = m.n_ctx_train - max(n_maxes) - 9       # the check's context holds the prompt, the rows and 8 more
+        if max(ctxs) > room:
+            raise click.BadParameter(f"{max(ctxs)} tokens do not fit {path.name}'s context of {m.n_ctx_train} with "
+                                     f"n-max {max(n_maxes)}: use at most {room}", param_hint="--context")
         for c in ctxs:
             prompt = context_prompt(m, c)
             for k in n_maxes:

@@ -65,6 +65,24 @@ def test_a_sampling_number_that_is_not_finite_is_refused(tiny, flag, value):
     assert f"Invalid value for '{flag}': {value} is not a number to sample with: give a finite value" in r.stderr
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--context", "-5"], "--context: -5: each context must be at least 1 token"),    # was a slice: ids[:-5]
+    (["--n-max", "3,0"], "--n-max: 3,0: each n-max must be 1..255"),
+    (["--n-max", "100000"], "--n-max: 100000: each n-max must be 1..255"),              # 100,000 decodes
+    (["--context", "99999999", "--n-max", "3"], "--context: 99999999 tokens do not fit full.gguf's context of "),
+])
+def test_check_exact_refuses_what_it_cannot_check(tiny, args, words):
+    r = invoke("check-exact", "-m", tiny["full"], "-t", "1", *args)
+    assert r.exit_code == 2 and words in r.stderr and "Traceback" not in r.output
+
+
+def test_a_context_llama_cpp_rounds_up_is_said(tiny):
+    r = gen(tiny["full"], "-n", "1", "-c", "64")
+    assert r.exit_code == 0, r.output
+    assert "-c 64: llama.cpp rounds a context up to a multiple of 256 tokens; it holds 256" in r.stderr
+    assert "rounds" not in gen(tiny["full"], "-n", "1", "-c", "512").stderr
+
+
 def test_llamacpp_spellings_parse_and_unapplied_flags_say_why_in_one_line_each(tiny):
     r = gen(tiny["full"], "-n", "2", "-ngl", "99", "-ngld", "all", "-fa", "off", "-ctk", "f16", "-ctv", "q4_0",
             "-ub", "256", "-tb", "1", "-t", "2", "--mlock", "--no-mmap", "-lm", "none")

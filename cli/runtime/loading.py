@@ -148,6 +148,9 @@ def open_engines(model: str, params: EngineParams, n: int = 1, *, start_prefill:
             for e in reversed(engines):
                 e.close()
             raise
+    if 0 < params.n_ctx < engines[0].n_ctx:
+        note(f"-c {params.n_ctx}: llama.cpp rounds a context up to a multiple of 256 tokens; it holds "
+             f"{engines[0].n_ctx}")
     return engines
 
 
