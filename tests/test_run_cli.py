@@ -81,7 +81,7 @@ def test_unknown_spec_type_lists_valid_ones(smollm_path):
 
 
 def test_prompt_longer_than_context(smollm_path):
-    one_error_line(invoke("-m", str(smollm_path), "-p", "word " * 400, "-c", "128"),
+    one_error_line(invoke("-m", str(smollm_path), "-p", "word " * 400, "-c", "256"),
                    r"the prompt exceeds the context size \(\d+ tokens, ctx 256\); raise -c")
 
 
