@@ -48,12 +48,18 @@ MAX_ABS = 1e6      # penalties and finite biases beyond this could overflow floa
 def check_controls(s: SamplingParams, names: dict[str, str] | None = None) -> None:
     """llama.cpp's checks of the controls (common_sampler_init: the penalties finite in float32,
     the repeat penalty > 0 with a finite inverse; common/arg.cpp: --repeat-last-n >= 0), plus bounds
-    that keep float32 logits finite.
+    that keep float32 logits finite: a finite temperature, top-p and min-p in 0..1 (not NaN).
     SpecrunError naming the value and the fix; names: how to call each field (default: its name,
     e.g. the CLI passes {"repeat_penalty": "--repeat-penalty"}). Token ids are checked by Constraints."""
     def name(field: str) -> str:
         return (names or {}).get(field, field)
 
+    if not math.isfinite(s.temp):
+        raise SpecrunError(f"{name('temp')} {s.temp}: give a finite temperature (<= 0: greedy)")
+    for field in ("top_p", "min_p"):     # NaN passes a range check: every comparison is false
+        v = getattr(s, field)
+        if not 0.0 <= v <= 1.0:
+            raise SpecrunError(f"{name(field)} {v}: give a number from 0 to 1")
     rp = s.repeat_penalty
     if not (math.isfinite(rp) and 1.0 / MAX_ABS <= rp <= MAX_ABS):
         raise SpecrunError(f"{name('repeat_penalty')} {rp}: give a number greater than 0 (1.0: off; between "

@@ -39,6 +39,11 @@ def gen(*args: str):
     (["-l", "15+inf"], "a bias of +inf would leave nothing to sample"),
     (["--repeat-penalty", "0"], "--repeat-penalty 0.0: give a number greater than 0"),
     (["--frequency-penalty", "inf"], "--frequency-penalty inf: give a finite number"),
+    (["--frequency-penalty", "nan"], "--frequency-penalty nan: give a finite number"),
+    (["--temp", "nan"], "--temp nan: give a finite temperature (<= 0: greedy)"),   # was a traceback
+    (["--temp", "inf"], "--temp inf: give a finite temperature"),
+    (["--top-p", "nan"], "--top-p nan: give a number from 0 to 1"),    # passed click's range, sampled as off
+    (["--min-p", "nan"], "--min-p nan: give a number from 0 to 1"),
     (["--repeat-last-n", "-1"], "--repeat-last-n -1: invalid repeat-last-n (llama.cpp refuses negative values too)"),
     (["--repeat-last-n", "-5"], "--repeat-last-n -5: invalid repeat-last-n"),
 ])

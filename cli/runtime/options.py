@@ -205,28 +205,22 @@ def spec_options(f):
     return wrapper
 
 
-def _finite(ctx, param, value):
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"{value} is not a number to sample with: give a finite value")
-    return value
-
-
 def sampling_options(f):
     @click.option("-n", "--n-predict", "--predict", "n_predict", type=int, default=-1, show_default=True,
                   help="tokens to generate (-1: until end of generation or a full context)")
-    @click.option("--temp", type=float, callback=_finite, default=0.8, show_default=True, help="temperature (<= 0: greedy)")
+    @click.option("--temp", type=float, default=0.8, show_default=True, help="temperature (<= 0: greedy)")
     @click.option("--top-k", "top_k", type=int, default=40, show_default=True)
-    @click.option("--top-p", "top_p", type=click.FloatRange(0, 1), callback=_finite, default=0.95, show_default=True)
-    @click.option("--min-p", "min_p", type=click.FloatRange(0, 1), callback=_finite, default=0.05, show_default=True)
+    @click.option("--top-p", "top_p", type=click.FloatRange(0, 1), default=0.95, show_default=True)
+    @click.option("--min-p", "min_p", type=click.FloatRange(0, 1), default=0.05, show_default=True)
     @click.option("-s", "--seed", type=int, callback=_seed, default=None,
                   help="RNG seed (default, or -1: random; the seed used is printed)")
-    @click.option("--repeat-penalty", "repeat_penalty", type=float, callback=_finite, default=1.0, show_default=True,
+    @click.option("--repeat-penalty", "repeat_penalty", type=float, default=1.0, show_default=True,
                   help="penalize repeated tokens: a logit l > 0 becomes l / N, l <= 0 becomes l * N (1.0: off)")
     @click.option("--repeat-last-n", "repeat_last_n", type=int, default=64, show_default=True,
                   help="the last N tokens (prompt included) the penalties look at (0: off)")
-    @click.option("--presence-penalty", "presence_penalty", type=float, callback=_finite, default=0.0, show_default=True,
+    @click.option("--presence-penalty", "presence_penalty", type=float, default=0.0, show_default=True,
                   help="subtract N from the logit of every token in the last --repeat-last-n (0.0: off)")
-    @click.option("--frequency-penalty", "frequency_penalty", type=float, callback=_finite, default=0.0, show_default=True,
+    @click.option("--frequency-penalty", "frequency_penalty", type=float, default=0.0, show_default=True,
                   help="subtract N times its count from the logit of every token in the last --repeat-last-n "
                        "(0.0: off)")
     @click.option("--ignore-eos", "ignore_eos", is_flag=True,
@@ -461,6 +455,6 @@ def sampling_params(kw: dict) -> SamplingParams:
                        frequency_penalty=kw.get("frequency_penalty", 0.0),
                        logit_bias=tuple(parse_logit_bias(b) for b in kw.get("logit_bias", ())),
                        ignore_eos=kw.get("ignore_eos", False))
-    check_controls(s, {f: "--" + f.replace("_", "-") for f in ("repeat_penalty", "repeat_last_n", "presence_penalty",
-                                                             "frequency_penalty", "logit_bias")})
+    check_controls(s, {f: "--" + f.replace("_", "-") for f in ("temp", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                                                             "presence_penalty", "frequency_penalty", "logit_bias")})
     return replace(s, grammar=grammar_of(kw))
