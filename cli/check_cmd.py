@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .runtime.console import err_console, handle_errors, resolve, setup_logging
+from .runtime.options import MAX_THREADS
 
 _TEXT = ("Speculative decoding drafts several tokens cheaply and verifies them with the main model in "
          "one batched pass. The accepted text must be exactly what the model alone would write, so the "
@@ -32,7 +33,7 @@ def context_prompt(model, n_tokens: int) -> np.ndarray:
               help="draft lengths to check (verify batches of n-max + 1 rows), comma-separated")
 @click.option("--context", "contexts", default="100,600", show_default=True,
               help="tokens already in the KV cache before the checked rows, comma-separated")
-@click.option("-t", "--threads", type=click.IntRange(0), default=0)
+@click.option("-t", "--threads", type=click.IntRange(0, MAX_THREADS), default=0)
 @click.option("--no-exact", is_flag=True, help="check llama.cpp's default (fastest) kernels instead")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-v", "--verbose", is_flag=True)

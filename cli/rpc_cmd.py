@@ -14,14 +14,17 @@ import threading
 
 import click
 
+from specrun.gguf_spec.errors import SpecrunError
+
 from .runtime.console import err_console, handle_errors, setup_logging
+from .runtime.options import MAX_THREADS
 
 
 @click.command("rpc-worker")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="address to listen on; RPC has no authentication, so anything but loopback is exposed")
 @click.option("-p", "--port", type=click.IntRange(1, 65535), default=50052, show_default=True)
-@click.option("-t", "--threads", type=click.IntRange(0), default=0,
+@click.option("-t", "--threads", type=click.IntRange(0, MAX_THREADS), default=0,
               help="CPU threads for the layers computed here (default: half the cores, as rpc-server)")
 @click.option("-c", "--cache", "use_cache", is_flag=True,
               help="keep large tensors in a local cache (~/.cache/specrun/rpc), so a model loads faster the "
@@ -43,7 +46,11 @@ def rpc_worker(host: str, port: int, threads: int, use_cache: bool, verbose: boo
     if use_cache:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         cache_dir = os.path.join(base, "specrun", "rpc")
-        os.makedirs(cache_dir, exist_ok=True)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            raise SpecrunError(f"-c: cannot make the tensor cache folder {cache_dir} ({e.strerror}); set "
+                               "XDG_CACHE_HOME to a folder you can write, or leave -c out") from None
     rpc._native()   # no RPC in this build: one line now, not in the thread
     err_console.print(f"specrun rpc-worker: serving this CPU ({n} threads, exact-mode kernels) at {ep}; "
                       "Ctrl-C stops it", markup=False, highlight=False, soft_wrap=True)

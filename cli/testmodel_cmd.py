@@ -35,6 +35,7 @@ from specrun.kernels.testmodel import (
 )
 
 from .runtime.console import err_console, handle_errors, setup_logging
+from .runtime.options import MAX_THREADS
 
 
 def _say(msg: str) -> None:
@@ -90,7 +91,7 @@ def _head(ctx, param, value):
 @click.option("--draft-vocab", type=click.IntRange(2), default=None,
               help="with --eagle3: the draft's own head covers this many tokens, mapped through d2t")
 @click.option("--check", is_flag=True, help="load the result with llama.cpp and print greedy MTP (or EAGLE-3) acceptance")
-@click.option("-t", "--threads", "threads", type=click.IntRange(0), default=0,
+@click.option("-t", "--threads", "threads", type=click.IntRange(0, MAX_THREADS), default=0,
               help="CPU threads for quantizing (default: all) and --check (default: 1)")
 @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp to stderr")
 @handle_errors
@@ -164,7 +165,7 @@ def _overrides(ctx, param, value):
 @click.option("--tensor-type", "overrides", multiple=True, callback=_overrides, metavar="PATTERN=TYPE",
               help="per-tensor type override (regex), before the MTP policy; repeatable")
 @click.option("--allow-requantize", is_flag=True, help="allow an already quantized input (loses quality)")
-@click.option("-t", "--threads", "threads", type=click.IntRange(0), default=0, help="CPU threads (default: all)")
+@click.option("-t", "--threads", "threads", type=click.IntRange(0, MAX_THREADS), default=0, help="CPU threads (default: all)")
 @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp to stderr")
 @handle_errors
 def quantize_cmd(src, dst, ftype, mtp_type, overrides, allow_requantize, threads, verbose):
@@ -187,7 +188,7 @@ def quantize_cmd(src, dst, ftype, mtp_type, overrides, allow_requantize, threads
 @click.option("--trunk-only", is_flag=True, help="write the model without its MTP blocks instead")
 @click.option("--quant", type=click.Choice(list(FTYPES), case_sensitive=False), default=None,
               help="re-quantize the output with this llama.cpp mix (default: copy tensors as they are)")
-@click.option("-t", "--threads", "threads", type=click.IntRange(0), default=0, help="CPU threads (default: all)")
+@click.option("-t", "--threads", "threads", type=click.IntRange(0, MAX_THREADS), default=0, help="CPU threads (default: all)")
 @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp to stderr")
 @handle_errors
 def extract_mtp_cmd(model, out, trunk_only, quant, threads, verbose):

@@ -163,7 +163,7 @@ class Endpoint:
 def parse_endpoint(text: str, *, flag: str = "--rpc") -> Endpoint:
     """'HOST:PORT' -> Endpoint; RpcError (one line) otherwise."""
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise RpcError(f"{flag} {text!r}: expected HOST:PORT with a port 1-65535, e.g. 127.0.0.1:{DEFAULT_PORT}")
     try:
         ip = socket.gethostbyname(host)
@@ -257,9 +257,9 @@ def probe(ep: Endpoint, timeout: float = 10.0) -> WorkerInfo:
                                "(`specrun rpc-worker` from this install, llama-cpp-python 0.3.36)")
             (n_dev,) = struct.unpack("<I", _call(sock, _CMD_DEVICE_COUNT, b"")[:4])
     except TimeoutError:
-        raise RpcError(f"RPC worker {ep} accepted the connection but did not answer within {timeout:g} s: it "
-                       "serves one client at a time and another is using it; stop that client or start "
-                       "another worker") from None
+        raise RpcError(f"RPC worker {ep} accepted the connection but did not answer within {timeout:g} s: a "
+                       "worker serves one client at a time, so another may be using it (stop that client or "
+                       "start another worker), or the address is not an RPC worker") from None
     except (ConnectionError, OSError, struct.error) as e:
         raise RpcError(f"{ep} did not answer as an RPC worker ({e}); is it `specrun rpc-worker` or "
                        "llama.cpp's rpc-server of the same version?") from None

@@ -65,6 +65,13 @@ def test_check_exact_refuses_what_it_cannot_check(tiny, args, words):
     assert r.exit_code == 2 and words in r.stderr and "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("command", [["run", "-p", "x"], ["check-exact"], ["rpc-worker"], ["quantize", "a", "b", "q8_0"]])
+def test_threads_beyond_ggml_s_limit_are_refused(tiny, command):
+    """ggml's CPU backend takes at most GGML_MAX_N_THREADS (512): run -t 100000 died of SIGSEGV."""
+    r = invoke(*command, "-t", "100000")
+    assert r.exit_code == 2 and "100000 is not in the range 0<=x<=512" in r.stderr
+
+
 def test_a_context_llama_cpp_rounds_up_is_said(tiny):
     r = gen(tiny["full"], "-n", "1", "-c", "64")
     assert r.exit_code == 0, r.output

@@ -13,6 +13,7 @@ llama.cpp could abort the process.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import socket
@@ -100,6 +101,7 @@ def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
 @pytest.mark.parametrize("text, says", [
     ("localhost", "expected HOST:PORT"), ("127.0.0.1:0", "port 1-65535"), ("127.0.0.1:70000", "port 1-65535"),
     (":50052", "expected HOST:PORT"), ("no-such-host.invalid:50052", "cannot resolve host"),
+    ("127.0.0.1:\u00b2", "expected HOST:PORT"), ("127.0.0.1:\u0661\u0669\u0665", "expected HOST:PORT"),  # str.isdigit's
 ])
 def test_bad_endpoints(text, says):
     with pytest.raises(rpc.RpcError, match=says):
@@ -172,13 +174,23 @@ def test_probe_names_each_failure():
         rpc.probe(ep)
     with fake_worker(bytes([7, 1, 0, 0]) + bytes(24)) as ep, pytest.raises(rpc.RpcError, match="7.1.0"):
         rpc.probe(ep)       # a newer minor version: llama.cpp refuses it too
-    with fake_worker(None) as ep, pytest.raises(rpc.RpcError, match="did not answer within 0.5 s: it serves one client"):
+    with fake_worker(None) as ep, pytest.raises(rpc.RpcError, match="did not answer within 0.5 s: a worker serves one client.*or the address is not an RPC worker"):
         rpc.probe(ep, timeout=0.5)
     with fake_worker(bytes([7, 0, 3, 0]) + bytes(24)) as ep:
         assert rpc.probe(ep).version == (7, 0, 3)    # a patch level apart: fine
 
 
 # ---- the worker command --------------------------------------------------------------------------
+
+
+def test_worker_cache_folder_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([SPECRUN, "rpc-worker", "--port", str(port), "-c"], capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL, env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "a-file")))
+    one_line_error(r, f"-c: cannot make the tensor cache folder {tmp_path / 'a-file'}/specrun/rpc (Not a directory)")
 
 
 def test_worker_refuses_a_port_in_use_and_warns_off_loopback(tmp_path, workers):

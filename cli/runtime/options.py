@@ -40,6 +40,7 @@ INFER = ("infer",)   # no --spec-type: loading.prepare() infers it from -md's fi
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"   # the registry model with a chat template
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # arg.cpp's kv_cache_types
 UBATCH_DEFAULT = 512
+MAX_THREADS = 512     # ggml.h GGML_MAX_N_THREADS: more crash the CPU backend (-t 100000: SIGSEGV)
 
 
 def _spec_type(ctx, param, value):
@@ -100,7 +101,7 @@ def model_options(f=None, *, default: str = "gemma-3-270m"):
     @click.option("-b", "--batch-size", "batch_size", type=click.IntRange(1), default=2048, show_default=True)
     @click.option("-ub", "--ubatch-size", "ubatch_size", type=click.IntRange(1), default=None,
                   help=f"physical batch size (accepted; the engine uses llama.cpp's {UBATCH_DEFAULT})")
-    @click.option("-t", "--threads", "threads", type=click.IntRange(0), default=0,
+    @click.option("-t", "--threads", "threads", type=click.IntRange(0, MAX_THREADS), default=0,
                   help="CPU threads (default: all cores)")
     @click.option("-tb", "--threads-batch", "threads_batch", type=int, default=None,
                   help="threads for prompt processing (accepted; the engine uses -t's)")
