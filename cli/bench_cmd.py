@@ -31,8 +31,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from specrun.gguf_spec.errors import SpecrunError
+from specrun.gguf_spec.output import check_output
 from specrun.kernels.calibrate import GREEDY, VERIFY_ROWS, VerifyCost, measure_verify_cost, setting_name
 from specrun.kernels.chat_template import TemplateError
+from specrun.kernels.constrain import check_controls
 from specrun.kernels.drafters import draft_n_max
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import NGRAM_TYPES, SpecParams, parse_spec_types
@@ -246,11 +248,21 @@ def to_csv(res: BenchResult) -> str:
     return buf.getvalue()
 
 
-def _check_matplotlib() -> None:
+def _check_plot(path: str) -> None:
+    """Before the run: matplotlib is there, it writes this file type, and the file can be written."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
     except ImportError:
         raise SpecrunError("--plot needs matplotlib: pip install 'specrun[plot]'") from None
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = Path(path).suffix.lstrip(".").lower()
+    if kind not in kinds:
+        raise SpecrunError(f"--plot {path}: matplotlib writes {', '.join(sorted(kinds))}, not "
+                           f"{kind or 'a file without an extension'}; name it e.g. bench.png")
+    check_output(path)
 
 
 def plot(res: BenchResult, path: str) -> None:
@@ -392,7 +404,7 @@ def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_pred
     if as_json and as_csv:
         raise click.UsageError("--json and --csv do not go together; choose one")
     if plot_path:
-        _check_matplotlib()
+        _check_plot(plot_path)
     setup_logging(kw["verbose"])
     params = engine_params(kw, SpecParams())
     if spec_type is None:
@@ -408,6 +420,7 @@ def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_pred
     spec = SpecParams(types=parse_spec_types(",".join(union)) if union else (),
                       n_max=max(s.spec.n_max for s in settings), ngram_size_n=ngram_n, ngram_size_m=ngram_m, **family)
     sampling = SamplingParams(temp=temp, seed=seed)
+    check_controls(sampling, {"temp": "--temp"})
     with open_engine(kw["model"], replace(params, spec=spec)) as engine:
         prompts = _prompts(engine, chosen)
         meta = {"model": engine.model.path, "threads": engine.ctx.params.n_threads or os.cpu_count(),

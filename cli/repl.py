@@ -5,6 +5,7 @@ runtime.chat.ChatSession."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ class LineReader:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.touch()
+                if not path.is_file():     # touch() accepts a folder; prompt_toolkit would fail at each prompt
+                    raise IsADirectoryError(errno.EISDIR, "not a file")
                 history = FileHistory(str(path))
             except OSError as e:
                 _say(f"no input history: cannot write {path} ({e.strerror})", style="dim")

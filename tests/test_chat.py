@@ -444,3 +444,22 @@ def test_terminal_paste_continuation_ctrl_c_at_the_prompt_and_ctrl_d(tmp_path, s
             child.kill(9)
     users = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "user"]
     assert users == ["Say yes.\nOr no.", "line one \nline two"]
+
+
+@pytest.mark.slow
+def test_terminal_history_path_that_is_a_folder_falls_back_in_one_line(tmp_path, smollm_path):
+    """touch() accepts a folder, and prompt_toolkit then printed a traceback at every prompt."""
+    env = dict(os.environ, SPECRUN_HISTORY=str(tmp_path), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", "-n", "2", "-q"],
+                          env=env, encoding="utf-8", dimensions=(50, 200))
+    try:
+        s = Screen(child)
+        s.wait(rf"no input history: cannot write {re.escape(str(tmp_path))} \(")
+        s.wait(">")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF, timeout=60)
+        child.close()
+        assert child.exitstatus == 0 and "Traceback" not in s.text
+    finally:
+        if child.isalive():
+            child.kill(9)

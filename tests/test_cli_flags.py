@@ -72,6 +72,21 @@ def test_threads_beyond_ggml_s_limit_are_refused(tiny, command):
     assert r.exit_code == 2 and "100000 is not in the range 0<=x<=512" in r.stderr
 
 
+@pytest.mark.parametrize("args, words", [
+    (["-p", "x", "--spec-type", "auto,ngram-simple"], "auto chooses among every type this model can use, so it "
+                                                      "stands alone"),      # was "unknown spec type 'auto'"
+    (["bench", "-p", "x", "--plot", "/nonexistent/b.png"], "cannot write /nonexistent/b.png: No such file or "
+                                                            "directory"),    # was a traceback after the run
+    (["bench", "-p", "x", "--plot", "b.xyz"], "--plot b.xyz: matplotlib writes "),
+    (["bench", "-p", "x", "--temp", "nan"], "--temp nan: give a finite temperature"),   # was a traceback
+    (["serve", "--host", "no.such.host.invalid", "--port", "0"], "give --host an address of this machine"),
+])
+def test_bad_values_caught_before_anything_runs(tiny, args, words):
+    cmd, rest = (args[:1], args[1:]) if args[0] != "-p" else ([], args)    # a subcommand, or run's bare form
+    r = invoke(*cmd, "-m", tiny["full"], "-t", "1", *rest)
+    assert r.exit_code in (1, 2) and words in r.stderr and "Traceback" not in r.output, r.output
+
+
 def test_a_context_llama_cpp_rounds_up_is_said(tiny):
     r = gen(tiny["full"], "-n", "1", "-c", "64")
     assert r.exit_code == 0, r.output

@@ -136,3 +136,13 @@ def test_bad_chunks_say_reinstall(fake_gemma):
     fake_gemma.chunks[2].unlink()
     with pytest.raises(ModelNotAvailable, match=r"chunk files missing \(.*part2\)"):
         resolve_model("gemma-3-270m")
+
+
+@pytest.mark.parametrize("where, why", [("cache", "File exists"), ("cache/sub", "Not a directory")])
+def test_a_cache_dir_that_cannot_be_written_says_so(fake_gemma, monkeypatch, tmp_path, where, why):
+    """SPECRUN_CACHE_DIR a file, or under one: one line naming the folder (it was a traceback)."""
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("SPECRUN_CACHE_DIR", str(tmp_path / where))
+    with pytest.raises(ModelNotAvailable, match=rf"cannot assemble it into the cache {tmp_path / where}: {why} "
+                                                r"\(.*\); set SPECRUN_CACHE_DIR to a folder you can write"):
+        resolve_model("gemma-3-270m")

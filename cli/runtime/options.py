@@ -48,6 +48,9 @@ def _spec_type(ctx, param, value):
         return INFER
     if value.strip() == "auto":
         return AUTO
+    if "auto" in (t.strip() for t in value.split(",")):
+        raise click.BadParameter(f"{value!r}: auto chooses among every type this model can use, so it stands "
+                                 "alone: --spec-type auto")
     try:
         return parse_spec_types(value)
     except Exception as e:  # SpecrunError: an unknown name
