@@ -49,7 +49,11 @@ def _mib(n: int) -> str:
 
 @contextlib.contextmanager
 def _progress(label: str):
-    """A transient per-tensor progress bar on stderr; yields the on_progress callback."""
+    """A transient per-tensor progress bar on stderr; yields the on_progress callback. Only on a
+    terminal: elsewhere rich ends a transient bar with an empty line (before an error's one line)."""
+    if not err_console.is_terminal:
+        yield lambda stage, done, total, tensor: None
+        return
     with Progress(TextColumn(f"{label} [progress.description]{{task.description}}"), BarColumn(),
                   MofNCompleteColumn(), TextColumn("[dim]{task.fields[tensor]}"),
                   console=err_console, transient=True) as progress:

@@ -266,7 +266,7 @@ def test_an_output_that_cannot_be_written_is_one_line(mtp_model, tmp_path, comma
     args = [a.format(m=mtp_model, out=out, dir=tmp_path) for a in command.split()]
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert (r.exit_code, r.stdout) == (1, ""), r.output
-    assert r.stderr.strip().splitlines() == [f"Error: cannot write {out}: {why}"]
+    assert r.stderr.splitlines() == [f"Error: cannot write {out}: {why}"]      # one line, no blank before it
     assert sorted(tmp_path.iterdir()) == before                 # nothing written, nothing deleted
     assert kind != "a full disk" or out.is_char_device()
 
