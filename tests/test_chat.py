@@ -361,12 +361,17 @@ class Screen:
         return m
 
 
+def terminal_chat(history, *args: str) -> pexpect.spawn:
+    """`specrun chat -m smollm2-135m-instruct ARGS` in a 50x200 pseudo-terminal, input history at `history`."""
+    env = dict(os.environ, SPECRUN_HISTORY=str(history), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    return pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", *args], env=env, encoding="utf-8",
+                         dimensions=(50, 200))
+
+
 @pytest.mark.slow
 def test_terminal_session(tmp_path, smollm_path):
     hist = tmp_path / "history"
-    env = dict(os.environ, SPECRUN_HISTORY=str(hist), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
-    child = pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", "--temp", "0", "-n", "48"],
-                          env=env, encoding="utf-8", dimensions=(50, 200))
+    child = terminal_chat(hist, "--temp", "0", "-n", "48")
     try:
         s = Screen(child)
         s.wait(r"chatting with SmolLM2-135M-Instruct\.Q4_1\.gguf; /help for commands")
@@ -407,9 +412,7 @@ def test_terminal_session(tmp_path, smollm_path):
 
 @pytest.mark.slow
 def test_terminal_paste_continuation_ctrl_c_at_the_prompt_and_ctrl_d(tmp_path, smollm_path):
-    env = dict(os.environ, SPECRUN_HISTORY=str(tmp_path / "h"), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
-    child = pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", "-n", "2", "-q"],
-                          env=env, encoding="utf-8", dimensions=(50, 200))
+    child = terminal_chat(tmp_path / "h", "-n", "2", "-q")
     saved = tmp_path / "c.json"
     try:
         s = Screen(child)
@@ -449,9 +452,7 @@ def test_terminal_paste_continuation_ctrl_c_at_the_prompt_and_ctrl_d(tmp_path, s
 @pytest.mark.slow
 def test_terminal_history_path_that_is_a_folder_falls_back_in_one_line(tmp_path, smollm_path):
     """touch() accepts a folder, and prompt_toolkit then printed a traceback at every prompt."""
-    env = dict(os.environ, SPECRUN_HISTORY=str(tmp_path), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
-    child = pexpect.spawn(SPECRUN, ["chat", "-m", "smollm2-135m-instruct", "-n", "2", "-q"],
-                          env=env, encoding="utf-8", dimensions=(50, 200))
+    child = terminal_chat(tmp_path, "-n", "2", "-q")
     try:
         s = Screen(child)
         s.wait(rf"no input history: cannot write {re.escape(str(tmp_path))} \(")
