@@ -173,6 +173,15 @@ def test_openai_completion(server):
         assert r.usage.completion_tokens == 8
 
 
+def test_completion_prompt_of_one_token_list(server):
+    """OpenAI's prompt may also be a list of one list of token ids: the same answer as the ids."""
+    ids = [504, 3575, 282, 4649, 314]
+    one = server.post("/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0}).json()
+    nested = server.post("/v1/completions", {"prompt": [ids], "max_tokens": 6, "temperature": 0}).json()
+    assert nested["choices"] == one["choices"] and nested["usage"] == one["usage"]
+    assert one["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_openai_chat_stream_equals_non_stream(server):
     c = server.client()
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
@@ -284,6 +293,8 @@ def test_openapi_schema_published(server):
     post = paths["/v1/completions"]["post"]
     assert "400" in post["responses"] and "422" not in post["responses"]
     assert "speculative" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)   # OpenAPI: unique per operation
 
 
 def test_stop_strings(server):
@@ -431,6 +442,15 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None,
                                             "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400,
      "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "suffix": " and so on."}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": [[504], [505]]}, 400, "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, 400,
+     "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy",
+                                                                                      "format": "wav"}}, 400,
+     "unsupported_parameter"),
     ("/completion", {"prompt": "x", "n_probs": 5}, 400, "unsupported_parameter"),
     ("/completion", {"prompt": "x", "logprobs": 5}, 400, "unsupported_parameter"),      # llama-server: n_probs
     ("/completion", {"prompt": "x", "post_sampling_probs": True}, 400, "unsupported_parameter"),
@@ -513,6 +533,15 @@ def test_bad_input_messages_say_what_is_wrong(server):
     ok = server.post("/v1/chat/completions", {"messages": one, "max_tokens": 1, "logprobs": False, "tools": [],
                                               "tool_choice": "none", "response_format": {"type": "text"},
                                               "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}})
+    assert ok.status_code == 200, ok.text
+
+    assert msg("/v1/completions", {"prompt": "x", "echo": True}).startswith("echo: not supported")
+    assert msg("/v1/completions", {"prompt": "x", "suffix": "y"}).startswith("suffix: not supported")
+    assert msg("/v1/completions", {"prompt": [[1], [2]]}) == "prompt: one prompt per request (got 2)"
+    # echo false, an empty suffix, best_of 1 and text-only modalities change nothing: accepted
+    ok = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "echo": False, "suffix": "", "best_of": 1})
+    assert ok.status_code == 200, ok.text
+    ok = server.post("/v1/chat/completions", {"messages": one, "max_tokens": 1, "modalities": ["text"], "audio": None})
     assert ok.status_code == 200, ok.text
 
     assert "max_tokens" in msg("/v1/completions", {"prompt": "x", "max_tokens": 0})

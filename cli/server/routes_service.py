@@ -15,16 +15,18 @@ def service_router(state: ServerState) -> APIRouter:
     router = APIRouter(tags=["service"])
     cfg = state.config
 
-    @router.api_route("/health", methods=["GET", "HEAD"], response_model=Health,
-                      summary="liveness (no API key needed); 503 while loading or shutting down")
     async def health():
         if state.pool.lost is not None:
             raise ApiError(503, str(state.pool.lost), "rpc_worker_lost")
         busy = state.pool.n_busy
         return {"status": "ok", "slots_idle": len(state.pool.slots) - busy, "slots_processing": busy}
 
-    router.add_api_route("/v1/health", health, methods=["GET", "HEAD"], response_model=Health,
-                         summary="/health, under /v1")
+    # one route per method: a route of two methods gives both the same operationId, which OpenAPI forbids
+    for path, name, summary in (("/health", "health", "liveness (no API key needed); 503 while loading or "
+                                 "shutting down"), ("/v1/health", "v1_health", "/health, under /v1")):
+        for method in ("GET", "HEAD"):
+            router.add_api_route(path, health, methods=[method], response_model=Health, summary=summary,
+                                 operation_id=f"{name}_{method.lower()}")
 
     @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def metrics():

@@ -2,7 +2,7 @@
 
 Requests are strict (no "5" for 5, no NaN) and ignore fields they do not know, as OpenAI clients
 send a few (`user`, `metadata`...) that change nothing here. Fields that would change the answer
-and are not implemented (`tools`, tool messages, `n_probs`...) are refused with a 400 naming them
+and are not implemented (`tools`, tool messages, `n_probs`, `echo`, `suffix`, `audio`...) are refused with a 400 naming them
 unless they hold their neutral value, never ignored. The logit controls (penalties, `logit_bias`,
 `ignore_eos`, `grammar`, `json_schema`, `response_format` json_object / json_schema) are applied
 in every verify row as in plain decoding, so the answer does not depend on speculation.
@@ -50,6 +50,10 @@ _RAW_LOGPROBS = ("the model's raw logits at temperature 1, before the sampler ch
                  "without post_sampling_probs: a logit bias, penalty or grammar does not change them, so a token "
                  "they forbid can be among the likeliest; the same with any speculative setting")
 _NO_TOOLS = "it has no tool calling"
+_NO_ECHO = "the answer holds the generated text only, without the prompt's log-probabilities; prepend the prompt yourself"
+_NO_SUFFIX = "it has no fill-in-the-middle: the text is generated after the prompt only"
+_NO_BEST_OF = "one answer per request, as n"
+_NO_AUDIO = "it answers in text only"
 _RESPONSE_FORMAT = ('{"type": "text"} (plain text), {"type": "json_object"} (any JSON object, or the one of '
                     'its "schema") or {"type": "json_schema", "json_schema": {"schema": {...}}}')
 RESPONSE_TYPES = ("text", "json_object", "json_schema")
@@ -231,17 +235,31 @@ class _Sampling(_Controls):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: Text | list[Text] | list[int] = Field(description="text, a list of one text, or token ids")
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
+        description="text, a list of one text, token ids, or a list of one list of token ids")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's -n)")
     logprobs: int | None = Field(None, ge=0, le=20, description="the log-probability of each generated token "
                                  f"and of the `logprobs` most likely tokens at its position ({_RAW_LOGPROBS}); "
                                  "not with stream")
+
+    echo: bool | None = Field(None, description=f"only false ({_NO_ECHO})")
+    suffix: Text | None = Field(None, description=f"only empty ({_NO_SUFFIX})")
+    best_of: int | None = Field(None, description=f"only 1 ({_NO_BEST_OF})")
 
     @model_validator(mode="after")
     def _logprobs_not_streamed(self):
         if self.logprobs is not None and self.stream:
             raise unsupported("logprobs with stream", _NO_STREAM_LOGPROBS)
         return self
+
+    @field_validator("echo", "suffix", "best_of")
+    @classmethod
+    def _neutral_only(cls, v, info):
+        neutral = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}[info.field_name]
+        if v not in neutral:
+            why = {"echo": _NO_ECHO, "suffix": _NO_SUFFIX, "best_of": _NO_BEST_OF}[info.field_name]
+            raise unsupported(info.field_name, why)
+        return v
 
 
 class TextPart(_Body):
@@ -285,6 +303,8 @@ class ChatRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = Field(None, description="only \"none\": anything else is a 400")
     functions: list[Any] | None = Field(None, description="not supported: a 400 unless empty")
     function_call: str | dict[str, Any] | None = Field(None, description="only \"none\": anything else is a 400")
+    modalities: list[Text] | None = Field(None, description=f"only [\"text\"] ({_NO_AUDIO})")
+    audio: dict[str, Any] | None = Field(None, description=f"not supported: a 400 unless null ({_NO_AUDIO})")
 
     @model_validator(mode="after")
     def _logprobs_not_streamed(self):
@@ -299,6 +319,20 @@ class ChatRequest(_Sampling):
     def _no_tools(cls, v, info):
         if v:
             raise unsupported(info.field_name, _NO_TOOLS)
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and any(m != "text" for m in v):
+            raise unsupported("modalities other than text", _NO_AUDIO)
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v):
+        if v is not None:
+            raise unsupported("audio", _NO_AUDIO)
         return v
 
     @field_validator("tool_choice", "function_call")

@@ -171,7 +171,7 @@ class ServerState:
 
     def tokens(self, prompt: str | list, add_special: bool = True) -> list[int] | np.ndarray:
         """A request's prompt -> checked token ids. Tokenizes: call it off the event loop."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: one prompt per request (got {len(prompt)})", "invalid_value")
             prompt = prompt[0]
