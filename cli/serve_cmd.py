@@ -81,6 +81,9 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
               help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every endpoint but /health")
 @click.option("-a", "--alias", default=None, help="the model's name in responses (default: the -m name)")
 @template_options
+@click.option("--prefill-assistant/--no-prefill-assistant", "prefill_assistant", default=True, show_default=True,
+              help="a chat request that ends with an assistant message continues that message, as llama-server "
+                   "does (--no-prefill-assistant: it is closed as a whole turn and a new one begins)")
 @click.option("--drain-timeout", "drain_timeout", type=click.FloatRange(0), default=DRAIN_TIMEOUT_S,
               show_default=True, help="on SIGTERM / Ctrl-C, seconds the requests in flight get to finish before "
                                       "they are stopped with an error")
@@ -89,7 +92,8 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
 @click.option("--body-timeout", "body_timeout", type=click.FloatRange(0, min_open=True), default=BODY_TIMEOUT_S,
               show_default=True, help="seconds a request body may take to arrive (then: 408)")
 @handle_errors
-def serve(host, port, parallel, max_queue, api_key, alias, drain_timeout, max_body, body_timeout, **kw):
+def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout, max_body, body_timeout,
+          **kw):
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /completion, /v1/models,
     /health, /metrics (OpenAPI schema at /openapi.json). -n caps each request's tokens."""
     import uvicorn
@@ -117,7 +121,8 @@ def serve(host, port, parallel, max_queue, api_key, alias, drain_timeout, max_bo
                                         log_level="info" if kw["verbose"] else "warning", access_log=kw["verbose"]))
         options = dict(parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias, sampling=sampling,
                        chat_template=chat_template, chat_template_file=chat_template_file,
-                       drain_timeout=drain_timeout, max_body=max_body, body_timeout=body_timeout)
+                       drain_timeout=drain_timeout, max_body=max_body, body_timeout=body_timeout,
+                       prefill_assistant=prefill_assistant)
         loader = _Loader(kw, params, options, url, gate, server)
         err_console.print(f"specrun serve: loading {kw['model']} on {url}", markup=False, soft_wrap=True)
         loader.start()
@@ -204,7 +209,8 @@ class _Loader(threading.Thread):
                                   sampling=opt["sampling"], n_predict=kw["n_predict"], spec=params.spec,
                                   spec_types=tuple(spec_types), max_queue=opt["max_queue"], api_key=opt["api_key"],
                                   chat_format=fmt, no_template_reason=reason, max_body=opt["max_body"],
-                                  body_timeout=opt["body_timeout"], drain_timeout=opt["drain_timeout"])
+                                  body_timeout=opt["body_timeout"], drain_timeout=opt["drain_timeout"],
+                                  prefill_assistant=opt["prefill_assistant"])
             state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
             app = create_app(state)
         except BaseException:

@@ -338,6 +338,32 @@ def test_chat_equals_the_repl_session(server, smollm_path):
     assert native["tokens_evaluated"] == len(prompt)
 
 
+def test_a_final_assistant_message_is_continued(server, smollm_path, tmp_path):
+    """As llama-server (prefill_assistant): the messages before it with the assistant's generation
+    prompt, then its content, and the answer goes on from there; --no-prefill-assistant closes it
+    as a whole turn."""
+    from specrun.cli.runtime.chat import ChatFormat
+    from specrun.kernels.llama import Model
+
+    user = {"role": "user", "content": "Count from 1 to 10."}
+    start = {"role": "assistant", "content": "1, 2, 3,"}
+    with Model(str(smollm_path)) as model:
+        fmt = ChatFormat.load(model)
+        continued = fmt.tokenize(fmt.render([user]) + start["content"])
+        closed, _ = fmt.prompt([user, start])
+    r = server.post("/v1/chat/completions", {"messages": [user, start], "max_tokens": 12, "temperature": 0}).json()
+    assert r["usage"]["prompt_tokens"] == len(continued)
+    assert r["choices"][0]["message"]["content"] == server.completion(continued, 12)["content"]
+    r = server.post("/v1/chat/completions", {"messages": [user, start, start]})
+    assert r.status_code == 400 and "two assistant messages" in r.json()["error"]["message"]
+    off = ServerProcess(tmp_path, "-m", MODEL, "-c", "512", "-n", "8", "--no-prefill-assistant")
+    try:
+        r = off.post("/v1/chat/completions", {"messages": [user, start], "max_tokens": 4, "temperature": 0}).json()
+        assert r["usage"]["prompt_tokens"] == len(closed) != len(continued)
+    finally:
+        off.kill()
+
+
 # ---- speculative decoding: the same text, faster ------------------------------------------------
 
 

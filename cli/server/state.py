@@ -47,6 +47,7 @@ class ServerConfig:
     max_body: int = MAX_BODY                  # bytes of a request body; more is a 413
     body_timeout: float = BODY_TIMEOUT_S      # seconds for a request body to arrive; then a 408
     drain_timeout: float = DRAIN_TIMEOUT_S    # seconds the runs in flight get to finish on SIGTERM
+    prefill_assistant: bool = True            # a final assistant message is continued (llama-server's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,17 +194,27 @@ class ServerState:
     def chat_tokens(self, req: ChatRequest) -> list[int]:
         """The prompt tokens of a chat request: the conversation through the model's chat template
         (runtime.chat.ChatFormat, as the REPL renders it), within the template's time limit.
-        Renders and tokenizes: call it off the event loop."""
+        Renders and tokenizes: call it off the event loop.
+        A conversation that ends with an assistant message (prefill_assistant, llama-server's default)
+        is continued: the messages before it with the assistant's generation prompt, then its content
+        as the start of the answer (llama.cpp's common_chat_templates_apply with continue_final_message)."""
         fmt = self.chat_format()
         messages = []
         for m in req.messages:
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        prefill = ""
+        if self.config.prefill_assistant and messages[-1]["role"] == "assistant":
+            if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+                raise ApiError(400, "messages: two assistant messages end the conversation; the last one is "
+                               "continued, so give one (or start the server with --no-prefill-assistant)",
+                               "invalid_value")
+            prefill = messages.pop()["content"] or ""
         try:
             text = time_limited(lambda: fmt.render(messages))
         except TemplateError as e:
             raise ApiError(400, f"messages: {e}", "invalid_value") from None
-        return self.tokens(fmt.tokenize(text))
+        return self.tokens(fmt.tokenize(text + prefill))
 
     def chat_format(self) -> ChatFormat:
         fmt = self.config.chat_format
