@@ -10,7 +10,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from .runtime.console import err_console, handle_errors, resolve, setup_logging
+from .runtime.console import err_console, handle_errors, setup_logging
+from .runtime.loading import main_model
 from .runtime.options import MAX_THREADS
 
 _TEXT = ("Speculative decoding drafts several tokens cheaply and verifies them with the main model in "
@@ -55,7 +56,7 @@ def check_exact(model, n_max, contexts, threads, no_exact, as_json, verbose):
                                  f"rows, decoded one by one too)", param_hint="--n-max")
     if not all(c >= 1 for c in ctxs):
         raise click.BadParameter(f"{contexts}: each context must be at least 1 token", param_hint="--context")
-    path = resolve(model)
+    path, _ = main_model(model)     # the checks run and serve make, before llama.cpp sees the file
     with err_console.status(f"loading {path.name}"):
         m = Model(str(path), exact=not no_exact)
     rows = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -49,6 +50,8 @@ from gguf import (
 from .errors import GGUFError
 
 GGML_MAX_DIMS = 4                      # ggml.h
+LLAMA_MAX_LAYERS = 512                 # llama-hparams.h
+LLAMA_MAX_EXPERTS = 1024
 _HEADER = 24                           # magic u32, version u32, n_tensors u64, n_kv u64
 _MIN_KV = 8 + 4 + 1                    # key length, value type, smallest value (u8 / bool)
 _MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dim, type, offset
@@ -341,6 +344,10 @@ def open_gguf(path: str | os.PathLike) -> BoundedReader:
         raise _fail(path, f"cannot read it ({e.strerror})") from None
     if path.is_dir():
         raise _fail(path, "is a directory, not a GGUF file")
+    if not stat.S_ISREG(st.st_mode):     # a pipe would block the read; llama.cpp maps the file
+        kind = ("a named pipe" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "a device")
+        raise _fail(path, f"is {kind}, not a GGUF file; give the path of a .gguf file")
     if st.st_size == 0:
         raise _fail(path, "is empty, not a GGUF file")
     try:
@@ -460,13 +467,67 @@ def _layout(r: BoundedReader) -> tuple[str, int | None, int]:
     count_key = Keys.LLM.BLOCK_COUNT.format(arch=arch)
     nextn_key = Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)
     block_count = _value(r, count_key, "int")
+    if block_count is not None and not 1 <= block_count <= LLAMA_MAX_LAYERS:
+        raise _Corrupt(f"{count_key} is {block_count}; llama.cpp loads 1 to {LLAMA_MAX_LAYERS} blocks (it aborts "
+                       "the process on any other count); the file is corrupt: convert the model again")
     nextn = _value(r, nextn_key, "int") or 0
     if not 0 <= nextn <= (block_count or 0):
         raise _Corrupt(f"{nextn_key} is {nextn} but {count_key} is "
                        f"{'absent' if block_count is None else block_count}; llama.cpp needs "
                        f"0 <= {nextn_key} <= {count_key} (the MTP blocks are the last ones); "
                        "convert the model again with a current llama.cpp")
+    _hparams(r, arch)
     return arch, block_count, nextn
+
+
+def _number(r: BoundedReader, key: str) -> float | None:
+    """A scalar number of any int or float type (None when absent)."""
+    f = r.fields.get(key)
+    if f is None:
+        return None
+    types = [int(t) for t in f.types]
+    if len(types) != 1 or types[0] not in _INT_TYPES | {int(GGUFValueType.FLOAT32), int(GGUFValueType.FLOAT64)}:
+        raise _Corrupt(f"metadata {key} has type {'/'.join(GGUFValueType(t).name for t in types)}, expected a number")
+    return float(f.contents())
+
+
+def _hparams(r: BoundedReader, arch: str) -> None:
+    """The hyperparameters llama.cpp checks with GGML_ASSERT, which aborts the whole process, while
+    it loads the file (llama-model.cpp load_hparams: the expert counts) or at the first decode (a
+    norm's epsilon: ggml's rms_norm / norm want eps >= 0); a rope base of 0 or less makes every
+    logit NaN. Raises _Corrupt with the key and its value."""
+    def bad(key: str, v: Any, want: str) -> _Corrupt:
+        return _Corrupt(f"{key} is {v}; llama.cpp needs {want}; the file is corrupt: convert the model again")
+
+    for key in r.fields:
+        if key.startswith(f"{arch}.") and key.endswith("epsilon"):
+            eps = _number(r, key)
+            if not 0.0 <= eps < math.inf:
+                raise bad(key, eps, "a finite number >= 0 (it aborts the process at the first token otherwise)")
+    base_key = Keys.Rope.FREQ_BASE.format(arch=arch)
+    base = _number(r, base_key)
+    if base is not None and not 0.0 < base < math.inf:
+        raise bad(base_key, base, "a finite number > 0 (every logit is NaN otherwise)")
+    k_expert = Keys.LLM.EXPERT_COUNT.format(arch=arch)
+    k_used = Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)
+    k_groups = Keys.LLM.EXPERT_GROUP_COUNT.format(arch=arch)
+    k_group_used = Keys.LLM.EXPERT_GROUP_USED_COUNT.format(arch=arch)
+    n_expert = _value(r, k_expert, "int") or 0
+    used = _int_or_max(r, k_used) or 0
+    groups = _value(r, k_groups, "int") or 0
+    group_used = _value(r, k_group_used, "int") or 0
+    if not 0 <= n_expert <= LLAMA_MAX_EXPERTS:
+        raise bad(k_expert, n_expert, f"0 to {LLAMA_MAX_EXPERTS} experts")
+    if n_expert > 0:
+        if not 0 < used <= n_expert:
+            raise bad(k_used, used, f"1 to {k_expert} ({n_expert})")
+        if not 0 <= groups < n_expert:
+            raise bad(k_groups, groups, f"0 to {k_expert} - 1 ({n_expert - 1})")
+        if groups > 1 and (n_expert % groups or not 0 < group_used < groups):
+            raise bad(f"{k_groups} / {k_group_used}", f"{groups} / {group_used}",
+                      f"groups dividing {k_expert} ({n_expert}) and 1 to groups - 1 of them used")
+    elif used or groups:
+        raise bad(k_used if used else k_groups, used or groups, f"0 without experts ({k_expert} is 0)")
 
 
 def read_layout(reader: BoundedReader) -> MtpLayout:

@@ -52,7 +52,7 @@ _llama_log = logging.getLogger("llama.cpp")
 
 
 _GGML_LOG_ERROR = 4
-_last_error: list[str] = []   # llama.cpp's latest error line: the reason a load or init failed
+_last_error: list[str] = []   # llama.cpp's error lines since the last clear: why a load or init failed
 # what the KV caches of the context being created said of their Hadamard rotation (quantized caches):
 # "attn_rot_k = 1, n_embd_head_k_all = 64" -> {"k": (1, 64)}; read by Context.__init__
 _kv_rot_said: dict[str, tuple[int, int]] = {}
@@ -68,7 +68,7 @@ _TYPE_LINE = re.compile(r"- type\s+(\w+):\s*(\d+) tensors")
 @L.llama_log_callback
 def _log_callback(level, text, user_data):  # pragma: no cover - called from C
     """llama.cpp's own log goes to the `llama.cpp` logger at INFO (shown with -v); its latest error
-    line is kept to explain a failed load or context."""
+    lines are kept to explain a failed load or context."""
     if b"attn_rot_" in text:
         m = _ROT_LINE.search(text.decode("ascii", errors="replace"))
         if m:
@@ -88,16 +88,22 @@ def _log_callback(level, text, user_data):  # pragma: no cover - called from C
     if level == _GGML_LOG_ERROR or _llama_log.isEnabledFor(logging.INFO):
         msg = text.decode("utf-8", errors="replace").strip()
         if msg and level == _GGML_LOG_ERROR:
-            _last_error[:] = [msg]
+            _last_error[:] = [*_last_error[-7:], msg]
         if msg:
             _llama_log.info(msg)
 
 
 def _reason() -> str:
-    """'; llama.cpp says: ...' for the latest error line since the last call, or ''."""
-    why = f"; llama.cpp says: {_last_error[0]}" if _last_error else ""
+    """'; llama.cpp says: ...' for llama.cpp's error lines since the last call, or '': the reason of
+    "llama_model_load: error loading model: REASON" when there is one (the line after it, "failed
+    to load model", says nothing more), else the latest line."""
+    said = [line.split(_LOAD_ERROR, 1)[1] for line in _last_error if _LOAD_ERROR in line]
+    why = f"; llama.cpp says: {(said or _last_error)[-1]}" if _last_error else ""
     _last_error.clear()
     return why
+
+
+_LOAD_ERROR = "error loading model: "
 
 
 def _ensure_backend(exact: bool) -> None:

@@ -206,8 +206,10 @@ def quantize(src: str | Path, dst: str | Path, ftype: str = "q4_k_m", *,
     mtp_type = mtp_type.strip().lower()
     if mtp_type not in MTP_POLICIES:
         mtp_type = _norm_name(mtp_type, TENSOR_TYPES, "MTP type (or 'same', 'none')")
-    if not src.is_file():
+    if not src.exists():
         raise QuantizeError(f"{src}: no such file")
+    if not src.is_file():
+        raise QuantizeError(f"{src}: not a regular file (a folder, pipe or device); give a .gguf file")
     if same_file(src, dst):                               # a hard or symbolic link to it too
         raise QuantizeError(f"input and output are the same file ({src}, {dst}); choose another output name")
     t0 = time.perf_counter()

@@ -34,7 +34,27 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrun.gguf_spec.errors import SpecrunError
+
 from .types import SamplingParams
+
+
+class NonFiniteLogits(SpecrunError):
+    """A row of logits with no finite maximum: nothing can be sampled from it."""
+
+    def __init__(self, top: float, pos: int | None = None, whose: str = "the model's") -> None:
+        at = f" at position {pos}" if pos is not None else ""
+        why = ("every token has a logit of -inf: a --logit-bias or grammar forbids them all, or "
+               if top == float("-inf") else "")
+        super().__init__(f"{whose} logits{at} have no finite maximum ({top}): {why}the weights or metadata give "
+                         "NaN or infinite values; check the file (`specrun inspect`), or use another model")
+        self.top, self.pos = top, pos
+
+
+def _finite_top(v: float, pos: int | None, *, inf_ok: bool = False) -> None:
+    """Raise NonFiniteLogits unless v (a row's maximum) is finite (or +inf, where inf_ok: greedy picks it)."""
+    if not (-np.inf < v < np.inf or (inf_ok and v == np.inf)):
+        raise NonFiniteLogits(float(v), pos)
 
 
 def position_rng(seed: int, pos: int, stream: int = 0) -> np.random.Generator:
@@ -103,9 +123,10 @@ def _candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray 
     """The sparse form of transform(): (ids int64 [n_cand] ascending, or None for the whole
     vocabulary in id order; probs float64 [n_cand]).
 
-    requires: not params.greedy; logits float32 [n_vocab] with a finite maximum.
+    requires: not params.greedy. raises NonFiniteLogits when the logits' maximum is not finite.
     """
     n_vocab = logits.shape[0]
+    _finite_top(float(logits.max()), None)   # NaN propagates through max; a NaN row empties every filter below
     ids: np.ndarray | None = None
     vals = logits  # float32 [n_cand]
     if 0 < params.top_k < n_vocab:
@@ -196,7 +217,12 @@ def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:
     sparse candidates, which gives the same id. Deterministic in (logits, params, pos).
     """
     if params.greedy:
-        return int(logits.argmax())
-    ids, probs = _candidates(np.asarray(logits, dtype=np.float32), params)
+        t = int(logits.argmax())   # numpy: the first NaN when there is one
+        _finite_top(float(logits[t]), pos, inf_ok=True)
+        return t
+    try:
+        ids, probs = _candidates(np.asarray(logits, dtype=np.float32), params)
+    except NonFiniteLogits as e:
+        raise NonFiniteLogits(e.top, pos) from None
     i = int(inverse_cdf(probs, position_rng(params.seed, pos).random()))
     return i if ids is None else int(ids[i])

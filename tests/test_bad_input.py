@@ -7,6 +7,8 @@ import errno
 import os
 import stat
 import struct
+import subprocess
+import sys
 import time
 import tracemalloc
 from datetime import timedelta
@@ -24,7 +26,7 @@ from specrun.gguf_spec.extract import ExtractError, NoMtpHeads, extract_mtp, ext
 from specrun.gguf_spec.spec import ModelSpec, load_spec
 from specrun.gguf_spec.testmodel import TINY, write_test_model
 
-STRING, ARRAY, UINT32 = 8, 9, 4
+STRING, ARRAY, UINT32, INT32, FLOAT32 = 8, 9, 4, 5, 6
 
 
 def header(n_tensors: int = 0, n_kv: int = 0, version: int = 3) -> bytes:
@@ -43,7 +45,21 @@ def kv_u32(key: bytes, val: int) -> bytes:
     return gstr(key) + struct.pack("<II", UINT32, val)
 
 
+def kv_i32(key: bytes, val: int) -> bytes:
+    return gstr(key) + struct.pack("<Ii", INT32, val)
+
+
+def kv_f32(key: bytes, val: float) -> bytes:
+    return gstr(key) + struct.pack("<If", FLOAT32, val)
+
+
 ARCH = kv_str(b"general.architecture", b"llama")
+BLOCKS = kv_u32(b"llama.block_count", 2)
+
+
+def hparams(*kvs: bytes) -> bytes:
+    """A llama file's metadata: its architecture, 2 blocks, and kvs."""
+    return header(n_kv=2 + len(kvs)) + ARCH + BLOCKS + b"".join(kvs) + b"\0" * 32
 
 
 def tensor_info(name: bytes, dims: list[int], ggml_type: int = 0, offset: int = 0, n_dims: int | None = None) -> bytes:
@@ -114,6 +130,29 @@ CASES = {
                         "no general.architecture in the metadata; this is not a model file"),
     "block_count of the wrong type": (lambda p: header(n_kv=2) + ARCH + kv_str(b"llama.block_count", b"thirty"),
                                       "metadata llama.block_count has type STRING, expected int"),
+    # what llama.cpp checks with GGML_ASSERT (the process aborts) while loading or at the first token
+    "block_count 0": (lambda p: header(n_kv=2) + ARCH + kv_u32(b"llama.block_count", 0),
+                      "llama.block_count is 0; llama.cpp loads 1 to 512 blocks (it aborts the process"),
+    "block_count 2^32-1": (lambda p: header(n_kv=2) + ARCH + kv_u32(b"llama.block_count", 2**32 - 1),
+                           "llama.block_count is 4294967295; llama.cpp loads 1 to 512 blocks"),
+    "block_count -1": (lambda p: header(n_kv=2) + ARCH + kv_i32(b"llama.block_count", -1),
+                       "llama.block_count is -1; llama.cpp loads 1 to 512 blocks"),
+    "rms epsilon NaN": (lambda p: hparams(kv_f32(b"llama.attention.layer_norm_rms_epsilon", float("nan"))),
+                        "llama.attention.layer_norm_rms_epsilon is nan; llama.cpp needs a finite number >= 0"),
+    "norm epsilon -1": (lambda p: hparams(kv_f32(b"llama.attention.layer_norm_epsilon", -1.0)),
+                        "llama.attention.layer_norm_epsilon is -1.0; llama.cpp needs a finite number >= 0"),
+    "epsilon as text": (lambda p: hparams(kv_str(b"llama.attention.layer_norm_rms_epsilon", b"1e-6")),
+                        "metadata llama.attention.layer_norm_rms_epsilon has type STRING, expected a number"),
+    "rope base 0": (lambda p: hparams(kv_f32(b"llama.rope.freq_base", 0.0)),
+                    "llama.rope.freq_base is 0.0; llama.cpp needs a finite number > 0 (every logit is NaN"),
+    "2000 experts": (lambda p: hparams(kv_u32(b"llama.expert_count", 2000), kv_u32(b"llama.expert_used_count", 2)),
+                     "llama.expert_count is 2000; llama.cpp needs 0 to 1024 experts"),
+    "more experts used than there are": (lambda p: hparams(kv_u32(b"llama.expert_count", 8),
+                                                           kv_u32(b"llama.expert_used_count", 9)),
+                                         "llama.expert_used_count is 9; llama.cpp needs 1 to llama.expert_count (8)"),
+    "experts used without experts": (lambda p: hparams(kv_u32(b"llama.expert_used_count", 2)),
+                                     "llama.expert_used_count is 2; llama.cpp needs 0 without experts"),
+    "named pipe": ("fifo", "is a named pipe, not a GGUF file; give the path of a .gguf file"),
     "newline in a name": (lambda p: header(n_tensors=1, n_kv=1) + ARCH + tensor_info(b"a\nb", [4], 999) + b"\0" * 64,
                           "tensor 'a b' has unknown ggml type 999"),
 }
@@ -124,6 +163,8 @@ def make_case(tmp_path: Path, name: str) -> Path:
     path = tmp_path / "bad.gguf"
     if content == "dir":
         path.mkdir()
+    elif content == "fifo":
+        os.mkfifo(path)
     elif content is not None:
         path.write_bytes(content(tmp_path))
     return path
@@ -326,3 +367,82 @@ def test_mutants_end_in_spec_or_gguf_error(fuzz_dir):
     check()
     print(outcomes)
     assert outcomes["error"] > 20 and sum(outcomes.values()) >= 200      # the mutations do bite
+
+
+# ---- weights that give NaN logits: one line from the target; a draft's only stops drafting ----
+
+def nan_copy(src: Path, dst: Path, tensor: str) -> Path:
+    """src with every value of `tensor` (an F32 tensor) NaN: what a corrupt or overflowed file gives."""
+    import gguf
+    import numpy as np
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = {"sub_type": f.types[-1]} if f.types[0] == gguf.GGUFValueType.ARRAY else {}
+        w.add_key_value(name, f.contents(), f.types[0], **sub)
+    for t in r.tensors:
+        data = np.full_like(t.data, np.nan) if t.name == tensor else t.data
+        w.add_tensor(t.name, data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def nan_pair(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("nan")
+    good = write_test_model(d / "good.gguf", TINY, "f32")
+    return good, nan_copy(good, d / "nan.gguf", "output_norm.weight")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("temp", ["0", "0.8"])
+def test_a_model_whose_logits_are_nan_is_one_line(nan_pair, temp):
+    """It was a traceback at temp > 0 (an empty candidate set) and text of token 0 at temp 0."""
+    _, bad = nan_pair
+    r = CliRunner().invoke(cli, ["-m", str(bad), "-p", "hi", "-n", "4", "-t", "1", "--temp", temp, "--seed", "1"])
+    assert (r.exit_code, r.stdout) == (1, ""), r.output
+    assert "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("Error: the model's logits at position ")
+    assert "have no finite maximum (nan): the weights or metadata give NaN or infinite values" in r.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("temp", ["0", "0.8"])
+def test_a_draft_whose_logits_are_nan_only_stops_drafting(nan_pair, temp):
+    good, bad = nan_pair
+    args = [str(Path(sys.executable).with_name("specrun")), "-m", str(good), "-p", "hi", "-n", "12", "-t", "1",
+            "--temp", temp, "--seed", "7"]
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=100)
+    r = subprocess.run([*args, "-md", str(bad), "--spec-type", "draft"], capture_output=True, text=True, timeout=100)
+    assert (r.returncode, plain.returncode) == (0, 0), r.stderr
+    # the target's text, token for token: at temp 0.8 rejection sampling with no draft draws plain's token
+    assert r.stdout == plain.stdout
+    if temp != "0":     # sampled drafts; greedy ones come from the C loop's argmax, which the verify rejects
+        assert "the draft's logits at position" in r.stderr and "drafts stop there" in r.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["named pipe", "block_count 0", "rms epsilon NaN"])
+def test_check_exact_checks_the_file_first(tmp_path, name):
+    """check-exact loaded the file straight into llama.cpp: a pipe hung it, these metadata aborted it."""
+    path = make_case(tmp_path, name)
+    r = CliRunner().invoke(cli, ["check-exact", "-m", str(path), "-t", "1"])
+    assert (r.exit_code, r.stdout) == (1, ""), r.output
+    assert r.stderr.splitlines() == [f"Error: {path}: " + r.stderr.split(f"{path}: ", 1)[1].rstrip("\n")]
+    assert CASES[name][1] in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_file_llama_cpp_refuses_says_why(tmp_path):
+    """llama.cpp logs the reason, then "failed to load model"; the line shows the reason."""
+    path = write_gguf(tmp_path / "m.gguf")         # no llama.attention.layer_norm_rms_epsilon
+    r = CliRunner().invoke(cli, ["-m", str(path), "-p", "hi", "-n", "1", "-t", "1"])
+    assert (r.exit_code, r.stdout) == (1, ""), r.output
+    assert r.stderr == (f"Error: {path}: llama.cpp could not load this model; llama.cpp says: error loading model "
+                        "hyperparameters: key not found in model: llama.attention.layer_norm_rms_epsilon (see "
+                        f"`specrun inspect {path}`)\n")

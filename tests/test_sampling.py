@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrun.kernels.sampling import inverse_cdf, position_rng, sample, transform
+from specrun.kernels.sampling import NonFiniteLogits, inverse_cdf, position_rng, sample, transform
 from specrun.kernels.types import SamplingParams
 
 
@@ -177,3 +177,26 @@ def test_position_rng_streams_differ():
 )
 def test_inverse_cdf(probs, u, want):
     assert int(inverse_cdf(np.asarray(probs), u)) == want
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("row, greedy_ok", [
+    ([1.0, NAN, 2.0], False),          # numpy's argmax is the NaN: greedy would emit it
+    ([NAN] * 3, False),
+    ([-INF] * 3, False),               # every token forbidden (a logit bias, a grammar)
+    ([1.0, INF, 2.0], True),           # greedy takes the infinite logit; a softmax cannot
+])
+@pytest.mark.parametrize("params", [SamplingParams(temp=0.0), SamplingParams(temp=0.8),
+                                    SamplingParams(temp=0.8, top_k=0, top_p=1.0, min_p=0.0)])
+def test_logits_without_a_finite_maximum_are_an_error_naming_the_position(row, greedy_ok, params):
+    """They were a ValueError from an empty candidate set (or an AssertionError in inverse_cdf) when
+    sampled, and token 0 or the NaN's id when greedy."""
+    logits = np.array(row, dtype=np.float32)
+    if params.greedy and greedy_ok:
+        assert sample(logits, params, 5) == 1
+        return
+    with pytest.raises(NonFiniteLogits, match=r"^the model's logits at position 5 have no finite maximum") as e:
+        sample(logits, params, 5)
+    assert ("forbids them all" in str(e.value)) == (row == [-INF] * 3)

@@ -94,11 +94,9 @@ def draft_types(params: EngineParams, draft: ModelSpec | None, draft_name: str) 
     return types
 
 
-def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
-    """Resolve and check the files of model (a registry name or a path) and params.draft_model;
-    returns the model's path and the params to build engines with (paths resolved, the spec type
-    inferred from -md when none was given, auto expanded to the available types, the exact-mode
-    caveat set). Raises SpecrunError, one line."""
+def main_model(model: str) -> tuple[Path, ModelSpec]:
+    """Resolve model (a registry name or a path) and check that its GGUF can be the main model
+    (whole, not only MTP heads nor an EAGLE-3 draft), before llama.cpp sees it. Raises SpecrunError."""
     path = resolve(model)
     spec = load_spec(path)
     if spec.has_mtp and not spec.has_trunk:
@@ -107,6 +105,15 @@ def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
     if spec.is_eagle3:
         raise SpecrunError(f"{path} is an EAGLE-3 draft, so it cannot be the main model; use it as "
                            f"-md {path.name} --spec-type draft-eagle3 beside the model it was made for")
+    return path, spec
+
+
+def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
+    """Resolve and check the files of model (a registry name or a path) and params.draft_model;
+    returns the model's path and the params to build engines with (paths resolved, the spec type
+    inferred from -md when none was given, auto expanded to the available types, the exact-mode
+    caveat set). Raises SpecrunError, one line."""
+    path, spec = main_model(model)
     draft = None
     if params.draft_model:
         name = Path(params.draft_model).name

@@ -8,15 +8,30 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import logging
+
 import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
 from ..llama import Context, Model
-from ..sampling import inverse_cdf, position_rng, transform
+from ..sampling import NonFiniteLogits, inverse_cdf, position_rng, transform
 from ..types import Draft, DraftOptions, SamplingParams, TargetPass, common_prefix
 
 _DRAFT_STREAM = 3  # random stream of draft sampling, apart from the target's (0, 1, 2)
+log = logging.getLogger(__name__)
+_said_non_finite = False
+
+
+def _non_finite(pos: int) -> tuple[None, None]:
+    """A draft row with no finite maximum (NaN weights, a broken file): stop this draft. The
+    target decides every token, so the text stays plain decoding's; only the drafts are lost."""
+    global _said_non_finite
+    if not _said_non_finite:
+        _said_non_finite = True
+        log.warning("the draft's logits at position %d have no finite maximum (NaN or infinite values in the "
+                    "draft model); drafts stop there, the output is the target's alone", pos)
+    return None, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +49,9 @@ class TargetView:
     fast_prefill: bool = False   # the target evaluates long prompts through kernels/prefill.py
 
 
-def softmax_max(logits: np.ndarray) -> tuple[int, float]:
-    """(argmax, its probability at temperature 1) of float32 [n_vocab] logits."""
-    i = int(np.argmax(logits))
+def softmax_max(logits: np.ndarray, i: int | None = None) -> tuple[int, float]:
+    """(argmax, its probability at temperature 1) of float32 [n_vocab] logits (i: the argmax, known)."""
+    i = int(np.argmax(logits)) if i is None else i
     m = float(logits[i])
     return i, 1.0 / float(np.exp(logits.astype(np.float64) - m).sum())
 
@@ -47,12 +62,18 @@ def draft_token(logits: np.ndarray, sampling: SamplingParams | None, p_min: floa
 
     sampling set and not greedy: drawn from q = transform(logits) with the draft stream of
     (seed, pos); returns (token, q as float32 [n_vocab]). Otherwise greedy top-1, or (None, None)
-    when its probability is below p_min (stop drafting)."""
+    when its probability is below p_min (stop drafting), or when the logits have no finite maximum."""
     if sampling is not None and not sampling.greedy:
-        q = transform(logits, sampling)                                # [n_vocab] float64
+        try:
+            q = transform(logits, sampling)                            # [n_vocab] float64
+        except NonFiniteLogits:
+            return _non_finite(pos)
         u = position_rng(sampling.seed, pos, _DRAFT_STREAM).random()
         return int(inverse_cdf(q, u)), q.astype(np.float32)
-    tok, p = softmax_max(logits) if p_min > 0 else (int(logits.argmax()), 1.0)
+    tok = int(logits.argmax())                                          # numpy: the first NaN when there is one
+    if not -np.inf < logits[tok]:
+        return _non_finite(pos)
+    p = softmax_max(logits, tok)[1] if p_min > 0 else 1.0
     return (None, None) if p < p_min else (tok, None)
 
 
