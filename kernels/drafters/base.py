@@ -4,11 +4,10 @@ index of the history and their way to tell which verify pass was theirs."""
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import logging
 
 import numpy as np
 
