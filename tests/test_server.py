@@ -564,6 +564,11 @@ def test_bad_input_messages_say_what_is_wrong(server):
     assert msg("/v1/completions", {"prompt": "x", "echo": True}).startswith("echo: not supported")
     assert msg("/v1/completions", {"prompt": "x", "suffix": "y"}).startswith("suffix: not supported")
     assert msg("/v1/completions", {"prompt": [[1], [2]]}) == "prompt: one prompt per request (got 2)"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert msg("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                                                  image]}]}) == (
+        "messages.0.content.1.type: not supported by this server (the model reads text only; send the text itself); "
+        "leave a content part of type 'image_url' out")
     # echo false, an empty suffix, best_of 1 and text-only modalities change nothing: accepted
     ok = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "echo": False, "suffix": "", "best_of": 1})
     assert ok.status_code == 200, ok.text

@@ -263,8 +263,15 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(_Body):
-    type: Literal["text"]
+    type: Literal["text"] = Field(description="only text: image, audio and file parts are a 400 (the model reads text)")
     text: Text
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if v != "text" and isinstance(v, str):
+            raise unsupported(f"a content part of type {v!r}", "the model reads text only; send the text itself")
+        return v
 
 
 class Message(_Body):
