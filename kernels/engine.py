@@ -322,10 +322,13 @@ class Engine:
             drafters = self.drafters if spec is self.params.spec else self.drafters_for(spec)
         for d in drafters:
             if not _free_proposals(d) and spec.n_max > self.n_max_cap:   # n-gram drafts: cut at the cap
-                why = (" (exact mode verifies at most 63 rows)" if self.params.exact and self.n_max_cap == MAX_EXACT_BATCH - 1
+                exact_cap = self.params.exact and self.n_max_cap == MAX_EXACT_BATCH - 1
+                why = (" (exact mode verifies at most 63 rows)" if exact_cap
                        else f" (it was started with --spec-draft-n-max {self.params.spec.n_max})")
+                fix = "--no-exact, whose verify passes have no such bound" if exact_cap else \
+                    "restart with a larger --spec-draft-n-max"
                 raise SpecrunError(f"draft n-max {spec.n_max} is above this engine's cap of {self.n_max_cap}{why}; "
-                                   f"ask for at most {self.n_max_cap}, or restart with a larger --spec-draft-n-max")
+                                   f"ask for at most {self.n_max_cap}, or {fix}")
         sampling = resolve_seed(sampling)
         cons = Constraints.of(self.model, sampling, self.n_ctx, prompt)
         st = GenStats(n_prompt_total=len(prompt), exact=self.params.exact, seed=sampling.seed,

@@ -126,7 +126,8 @@ def test_cancel_stops_a_long_prompt_between_chunks(engine):
 def test_draft_length_above_the_cap_is_refused_with_the_cap(engine):
     assert engine.n_max_cap == 62            # --spec-ngram-mod-n-max 64, within exact mode's 63 verify rows
     rec = Recorder([], 0, 0)
-    with pytest.raises(SpecrunError, match=r"draft n-max 63 is above this engine's cap of 62 \(exact mode verifies at most 63 rows\)"):
+    with pytest.raises(SpecrunError, match=r"draft n-max 63 is above this engine's cap of 62 \(exact mode verifies at most 63 rows\); "
+                       r"ask for at most 62, or --no-exact, whose verify passes have no such bound$"):
         engine.generate(engine.tokenize("hi"), 4, GREEDY, spec=SpecParams(n_max=63), drafters=[rec])
 
 
