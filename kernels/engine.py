@@ -144,6 +144,10 @@ class Engine:
             self.n_max_cap = min(self.n_max_cap, MAX_EXACT_BATCH - 1)
         self.mtp_enabled = "draft-mtp" in spec.types or (self.model.load_mtp and self.model.n_layer_nextn > 0)
         try:
+            if not params.n_ctx and self.model.n_ctx_train <= 0:    # llama.cpp reads context_length as int32
+                raise SpecrunError(f"{model_path}: -c 0 takes the model's training context, and llama.cpp reads "
+                                   f"{self.model.n_ctx_train} from the file's context_length; give a size, "
+                                   "e.g. -c 4096")
             self.ctx = Context(self.model, ContextParams(
                 n_ctx=params.n_ctx or self.model.n_ctx_train, n_batch=max(params.n_batch, self.n_max_cap + 1),
                 n_threads=params.n_threads, n_rs_seq=self._rollback(spec), nextn="all" if self.mtp_enabled else None))
