@@ -29,6 +29,7 @@ import math
 import os
 import stat
 import struct
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -321,6 +322,9 @@ def _check_header(path: Path, size: int) -> None:
     if version not in _SUPPORTED_VERSIONS:
         raise _fail(path, f"GGUF version {version} is not supported (versions {_SUPPORTED_VERSIONS}); "
                           "convert the model again with a current llama.cpp")
+    if order == ">" and sys.byteorder == "little":     # llama.cpp reads the file in the host's byte order
+        raise _fail(path, "is a big-endian GGUF, and llama.cpp on this little-endian machine reads only "
+                          "little-endian files; convert the model again without --bigendian")
     n_tensors, n_kv = struct.unpack_from(order + "QQ", head, 8)
     room = size - _HEADER
     if n_kv > room // _MIN_KV:

@@ -81,6 +81,8 @@ CASES = {
     "short header": (lambda p: b"GGUF\x03\x00\x00", "truncated GGUF: 7 bytes, shorter than the 24-byte header"),
     "version 1": (lambda p: header(version=1) + b"\0" * 64, "GGUF version 1 is not supported"),
     "version 99": (lambda p: header(version=99) + b"\0" * 64, "GGUF version 99 is not supported"),
+    "big-endian": (lambda p: b"GGUF" + struct.pack(">IQQ", 3, 0, 1) + b"\0" * 64,
+                   "is a big-endian GGUF, and llama.cpp on this little-endian machine reads only little-endian"),
     "tensor count 2^40": (lambda p: header(n_tensors=2**40, n_kv=1) + ARCH,
                           "the header claims 1099511627776 tensors and 1 metadata entries, which cannot fit in"),
     "kv count 2^40": (lambda p: header(n_kv=2**40) + ARCH, "claims 1099511627776 metadata entries, which cannot fit in"),
