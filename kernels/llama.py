@@ -351,6 +351,16 @@ class Model:
     def detokenize(self, tokens) -> str:
         return b"".join(self.piece(int(t)) for t in tokens).decode("utf-8", errors="replace")
 
+    def special_piece(self, token: int) -> bytes:
+        """The bytes of a token with control tokens spelled out (b'<|im_end|>'), as llama.cpp's
+        common_token_to_piece(..., special=true) that llama-server's /tokenize and /detokenize use."""
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
+        return buf.raw[:n]
+
     def is_eog(self, token: int) -> bool:
         return token in self._eog
 

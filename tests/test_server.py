@@ -182,6 +182,39 @@ def test_completion_prompt_of_one_token_list(server):
     assert one["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_tokenize_detokenize_and_props_as_llama_server(server):
+    def post(path, body):
+        r = server.post(path, body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    text = "The capital of France is Paris. 東京"
+    ids = post("/tokenize", {"content": text})["tokens"]
+    assert ids and all(isinstance(t, int) for t in ids)
+    assert post("/detokenize", {"tokens": ids}) == {"content": text}
+    # the same ids as the server's own prompt: /completion of the ids and of the text agree
+    assert server.completion(ids, 4)["content"] == server.completion(text, 4)["content"]
+    pieces = post("/tokenize", {"content": text, "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert joined.decode() == text and any(isinstance(p["piece"], list) for p in pieces)   # 東 京: split bytes
+    end = post("/tokenize", {"content": "<|im_end|>"})["tokens"]
+    assert len(end) == 1 and post("/detokenize", {"tokens": end}) == {"content": "<|im_end|>"}
+    assert len(post("/tokenize", {"content": "<|im_end|>", "parse_special": False})["tokens"]) > 1
+    assert post("/tokenize", {"content": ["a", 42, "b"]})["tokens"] == [*post("/tokenize", {"content": "a"})["tokens"],
+                                                                        42, *post("/tokenize", {"content": "b"})["tokens"]]
+    for path, body in (("/tokenize", {"content": ["a", 10**6]}), ("/detokenize", {"tokens": [-1]})):
+        r = server.post(path, body)
+        assert r.status_code == 400 and "out of the vocabulary (0..49151)" in r.json()["error"]["message"], r.text
+
+    props = server.http.get("/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 2
+    assert props["default_generation_settings"]["params"]["n_predict"] == 64
+    assert props["model_alias"] == MODEL and props["model_path"].endswith(".gguf")
+    assert "<|im_start|>" in props["chat_template"] and props["eos_token"] == "<|im_end|>"
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
+
+
 def test_openai_chat_stream_equals_non_stream(server):
     c = server.client()
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]

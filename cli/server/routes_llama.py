@@ -1,11 +1,16 @@
-"""llama-server's own endpoint: POST /completion, with `tokens`, `timings` and the settings used
-(stream: server-sent events without `[DONE]`, as llama-server)."""
+"""llama-server's own endpoints: POST /completion, with `tokens`, `timings` and the settings used
+(stream: server-sent events without `[DONE]`, as llama-server); POST /tokenize and /detokenize;
+GET /props (the settings a client reads: context size, slots, defaults, chat template)."""
 
 from __future__ import annotations
 
+import asyncio
+from importlib.metadata import PackageNotFoundError, version
+
 from fastapi import APIRouter, Request
 
-from .schemas import LlamaCompletion, LlamaCompletionRequest
+from .errors import ApiError
+from .schemas import DetokenizeRequest, LlamaCompletion, LlamaCompletionRequest, TokenizeRequest
 from .slots import Outcome
 from .state import Client, ServerState
 from .streaming import stream
@@ -45,5 +50,68 @@ def llama_router(state: ServerState) -> APIRouter:
                               lambda o: [final(o, "")], done=False)
             o = await state.finish(run, client)
         return final(o, o.text)
+
+    model = state.model
+
+    def tokens(req: TokenizeRequest) -> list:
+        ids: list[int] = []
+        parts = [req.content] if isinstance(req.content, str) else req.content
+        for i, part in enumerate(parts):
+            if isinstance(part, int):
+                if not 0 <= part < model.n_vocab:
+                    raise ApiError(400, f"content.{i}: token id {part} is out of the vocabulary "
+                                   f"(0..{model.n_vocab - 1})", "invalid_value")
+                ids.append(part)
+            else:    # llama-server's tokenize_mixed: BOS only in front of the first text
+                ids += model.tokenize(part, add_special=req.add_special and i == 0,
+                                      parse_special=req.parse_special).tolist()
+        if not req.with_pieces:
+            return ids
+        out = []
+        for t in ids:
+            b = model.special_piece(t)
+            try:
+                piece: str | list[int] = b.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(b)
+            out.append({"id": t, "piece": piece})
+        return out
+
+    @router.post("/tokenize", summary="text -> token ids (llama-server's)")
+    async def tokenize(req: TokenizeRequest):
+        return {"tokens": await asyncio.to_thread(tokens, req)}
+
+    @router.post("/detokenize", summary="token ids -> text (llama-server's)")
+    async def detokenize(req: DetokenizeRequest):
+        bad = [t for t in req.tokens if not 0 <= t < model.n_vocab]
+        if bad:
+            raise ApiError(400, f"tokens: token id {bad[0]} is out of the vocabulary (0..{model.n_vocab - 1})",
+                           "invalid_value")
+        text = b"".join(model.special_piece(t) for t in req.tokens).decode("utf-8", errors="replace")
+        return {"content": text}
+
+    def props() -> dict:
+        s, sp, fmt = cfg.sampling, cfg.spec, cfg.chat_format
+        try:
+            build = f"specrun {version('specrun')}, llama-cpp-python {version('llama_cpp_python')}"
+        except PackageNotFoundError:
+            build = "specrun"
+        params = {"n_predict": cfg.n_predict, "temperature": s.temp, "top_k": s.top_k, "top_p": s.top_p,
+                  "min_p": s.min_p, "seed": s.seed, "repeat_penalty": s.repeat_penalty,
+                  "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
+                  "frequency_penalty": s.frequency_penalty, "ignore_eos": s.ignore_eos,
+                  "speculative": {"type": list(sp.types) or ["none"], "n_max": sp.n_max, "n_min": sp.n_min,
+                                  "p_min": sp.p_min}}
+        return {"default_generation_settings": {"n_ctx": state.n_ctx, "params": params},
+                "total_slots": len(state.pool.slots), "model_alias": cfg.alias, "model_path": model.path,
+                "modalities": {"vision": False, "video": False, "audio": False},
+                "chat_template": fmt.template.source if fmt is not None else "",
+                "bos_token": model.token_text(model.bos),
+                "eos_token": model.token_text(model.eos),
+                "build_info": build}
+
+    @router.get("/props", summary="the server's settings (llama-server's)")
+    async def get_props():
+        return props()
 
     return router

@@ -376,6 +376,22 @@ class LlamaCompletionRequest(_Controls):
         return v
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize, llama-server's."""
+
+    content: Text | list[Text | int] = Field(description="a text, or texts and token ids mixed (ids kept as they are)")
+    add_special: bool = Field(False, description="add the model's BOS (and EOS) as a prompt gets them")
+    parse_special: bool = Field(True, description="read special-token texts ('<|im_end|>') as those tokens")
+    with_pieces: bool = Field(False, description="each token as {id, piece}: its text, or its bytes when they "
+                              "are not UTF-8 on their own")
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize, llama-server's."""
+
+    tokens: list[int] = Field(description="token ids; control tokens are spelled out ('<|im_end|>')")
+
+
 # ---- responses (documentation: handlers return plain JSON) -----------------------------------
 
 
