@@ -574,7 +574,10 @@ def test_bad_input_messages_say_what_is_wrong(server):
         return server.post(path, body).json()["error"]["message"]
 
     one = [{"role": "user", "content": "x"}]
-    assert "logprobs with stream" in msg("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True})
+    assert msg("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True}) == (
+        "logprobs with stream: not supported by this server (log-probabilities come with the whole answer; ask "
+        "without stream); "
+        "leave logprobs with stream out")
     assert "top_logprobs needs logprobs: true" in msg("/v1/chat/completions", {"messages": one, "top_logprobs": 1})
     assert msg("/v1/chat/completions", {"messages": one, "tools": [{}]}).startswith("tools: not supported")
     m = msg("/completion", {"prompt": "x", "grammar": "root ::= \"a"})

@@ -53,7 +53,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str]:
             code = "missing_field"
         elif err["type"] in _OWN_CODES:
             code = err["type"]
-        line = f"{where}: {err['msg']}"
+        # a check of the whole body (logprobs with stream...) names its fields in its own words
+        line = err["msg"] if where == "body" and err["type"] in _OWN_CODES else f"{where}: {err['msg']}"
         if line not in parts:
             parts.append(line)
     more = f" (and {len(parts) - 3} more)" if len(parts) > 3 else ""

@@ -38,8 +38,10 @@ def _unicode(s: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-def unsupported(field: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError("unsupported_parameter", f"not supported by this server ({why}); leave {field} out")
+def unsupported(field: str, why: str, *, named: bool = False) -> PydanticCustomError:
+    """named: the message starts with field (a check of the whole body, which has no field's place)."""
+    lead = f"{field}: " if named else ""
+    return PydanticCustomError("unsupported_parameter", f"{lead}not supported by this server ({why}); leave {field} out")
 
 
 _NO_STREAM_LOGPROBS = "log-probabilities come with the whole answer; ask without stream"
@@ -249,7 +251,7 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _logprobs_not_streamed(self):
         if self.logprobs is not None and self.stream:
-            raise unsupported("logprobs with stream", _NO_STREAM_LOGPROBS)
+            raise unsupported("logprobs with stream", _NO_STREAM_LOGPROBS, named=True)
         return self
 
     @field_validator("echo", "suffix", "best_of")
@@ -316,7 +318,7 @@ class ChatRequest(_Sampling):
     @model_validator(mode="after")
     def _logprobs_not_streamed(self):
         if self.logprobs and self.stream:
-            raise unsupported("logprobs with stream", _NO_STREAM_LOGPROBS)
+            raise unsupported("logprobs with stream", _NO_STREAM_LOGPROBS, named=True)
         if self.top_logprobs is not None and not self.logprobs:
             raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs: true")
         return self
