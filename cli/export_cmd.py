@@ -58,14 +58,12 @@ def export(engine, host, port, alias, **kw):
         raise SpecrunError("--spec-type draft needs -md/--model-draft DRAFT.gguf (the draft model to export)")
     path, params = prepare(kw["model"], EngineParams(n_ctx=kw["ctx_size"], n_threads=kw["threads"], spec=spec,
                                                      draft_model=kw["model_draft"]))
-    model = weights(path)
-    if "draft-mtp" in params.spec.types and not model.has_mtp and not params.draft_model:
-        raise SpecrunError(f"--spec-type draft-mtp: {path.name} has no MTP heads (nextn_predict_layers 0); use a "
-                           "model with MTP heads, or give its heads as -md HEADS.gguf")
+    model = weights(path)      # prepare checked the MTP heads draft-mtp reads, as run and serve
     draft = weights(params.draft_model) if params.draft_model else None
     name = alias or (kw["model"] if kw["model"] in KNOWN_MODELS else Path(path).stem)
     plan = Plan(engine=engine, model=model, draft=draft, spec=params.spec, alias=name, host=host, port=port,
-                n_ctx=kw["ctx_size"], n_threads=kw["threads"], passthrough=_given_llama_flags(kw))
+                n_ctx=kw["ctx_size"], n_threads=kw["threads"], passthrough=_given_llama_flags(kw),
+                exact=not kw["no_exact"])
     out = export_command(plan)
     for line in out.notes:
         note(line)

@@ -12,7 +12,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from specrun.gguf_spec.compat import Compat, check_draft_compatible, check_eagle3_compatible, vocab_type
+from specrun.gguf_spec.compat import (
+    Compat,
+    check_draft_compatible,
+    check_eagle3_compatible,
+    check_mtp_heads_compatible,
+    vocab_type,
+)
 from specrun.gguf_spec.spec import ModelSpec, TensorInfo, load_spec
 
 from .runtime.console import handle_errors, resolve
@@ -53,7 +59,8 @@ def _spec_types_line(spec: ModelSpec, draft: ModelSpec | None) -> str:
     if not types:
         return (f"spec types: none of its own; MTP heads run beside the model they came from: -md {spec.path.name} "
                 "--spec-type draft-mtp")
-    return f"spec types: {', '.join(types)}" + (f" (with -md {draft.path.name})" if draft is not None else "")
+    added = draft is not None and len(types) > len(spec_types(spec, None))
+    return f"spec types: {', '.join(types)}" + (f" (with -md {draft.path.name})" if added else "")
 
 
 def _eagle3_json(spec: ModelSpec) -> dict[str, Any] | None:
@@ -199,7 +206,9 @@ def inspect(model: str, show_tensors: bool, as_json: bool, draft: str | None) ->
     checked = None
     if draft is not None:
         d = load_spec(resolve(draft))
-        checked = (d, check_eagle3_compatible(spec, d) if d.is_eagle3 else check_draft_compatible(spec, d))
+        check = (check_eagle3_compatible if d.is_eagle3 else
+                 check_mtp_heads_compatible if d.has_mtp and not d.has_trunk else check_draft_compatible)
+        checked = (d, check(spec, d))
     if as_json:
         click.echo(json.dumps(_as_json(spec, show_tensors, checked), indent=2))
         return

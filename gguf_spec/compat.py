@@ -70,6 +70,21 @@ def require_draft_compatible(target: ModelSpec, draft: ModelSpec) -> None:
         raise IncompatibleDraft(f"draft {draft.path.name} cannot draft for {target.path.name}: {c.reason}")
 
 
+def check_mtp_heads_compatible(target: ModelSpec, heads: ModelSpec) -> Compat:
+    """Can `heads` (an -md file for draft-mtp) draft for `target`? It must hold MTP heads, as wide as
+    the target's rows and over its vocabulary (llama.cpp GGML_ASSERTs "MTP input row width must
+    match" and aborts the process otherwise)."""
+    if not heads.has_mtp:
+        return Compat(False, f"no MTP heads in {heads.path.name}; write a heads file with "
+                             "`specrun extract-mtp MODEL.gguf -o HEADS.gguf` from a model that has them")
+    t_vocab = target.vocab.size if target.vocab else None
+    h_vocab = heads.vocab.size if heads.vocab else None
+    if heads.n_embd != target.n_embd or (t_vocab is not None and h_vocab is not None and h_vocab != t_vocab):
+        return Compat(False, f"MTP heads of width {heads.n_embd} / vocab {h_vocab} do not fit the target "
+                             f"({target.n_embd} / {t_vocab}); extract the heads from this model's own GGUF")
+    return Compat(True)
+
+
 # target architectures whose llama.cpp 0.3.36 graph marks the input of every layer for export
 # (src/models/*.cpp: res->t_layer_inp[il]); for any other, enabling an EAGLE-3 extract layer
 # GGML_ASSERTs ("layer input tensor is null") and aborts the process

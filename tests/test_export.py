@@ -226,7 +226,15 @@ def test_llama_cpp_flags_pass_to_llama_server_and_are_named_for_the_others(f):
     assert r.stdout == (f"llama-server -m {f['G']} --host 127.0.0.1 --port 8080 -c 4096 -t 4 --alias full -ngl 99 "
                         "-fa on -ctk q8_0 -lm none --spec-type ngram-simple --spec-ngram-simple-size-n 12 "
                         "--spec-ngram-simple-size-m 48\n")
-    assert notes(r) == ["--spec-draft-adaptive: not exported; llama-server drafts up to the n-max / size-m given"]
+    assert notes(r) == ["--spec-draft-adaptive: not exported; llama-server drafts up to the n-max / size-m given",
+                        "exact mode: not exported; llama-server has none (its verify batches may differ from one-token "
+                        "decoding); GGML_CPU_TILED_MM=0 in its environment and -nr -ctk q8_0 give it exact mode's "
+                        "kernels and KV types (--no-exact: this line goes)"]
+    assert notes(invoke("--to", "llama-server", *args, "--no-exact"))[-1].startswith("--spec-draft-adaptive")
+    r = invoke("--to", "llama-server", "-m", f["G"], "--spec-type", "ngram-mod", "--spec-draft-n-min", "30",
+               "--no-exact")
+    assert notes(r) == ["--spec-draft-n-min 30: not exported; llama-server applies it to draft-model, EAGLE-3 and "
+                        "MTP drafts only, not to n-gram ones"]
     r = invoke("--to", "vllm", *args)
     assert notes(r)[1:] == ["--spec-draft-adaptive: not exported; vLLM's draft length is the fixed one above",
                             "-t 4: not exported; vLLM runs the model on the GPU",
@@ -254,8 +262,13 @@ def test_llama_cpp_flags_pass_to_llama_server_and_are_named_for_the_others(f):
      "Error: --spec-type auto is chosen by measuring this model on this machine once it is loaded, and export loads "
      "nothing; run `specrun run --spec-type auto ...`, then export the type it names on stderr (`spec auto: ...`)"),
     (["--to", "vllm", "-m", "{T}", "--spec-type", "draft-mtp"],
-     "Error: --spec-type draft-mtp: trunk.gguf has no MTP heads (nextn_predict_layers 0); use a model with MTP heads, "
-     "or give its heads as -md HEADS.gguf"),
+     "Error: {T}: the model has no MTP heads, so --spec-type draft-mtp is not available; run `specrun inspect {T}` "
+     "to see what it holds, or pass MTP heads with -md HEADS.gguf"),     # the line run and serve give
+    (["--to", "llama-server", "-m", "{T}", "-md", "smollm2-135m-instruct", "--spec-type", "draft-mtp"],
+     "Error: -md smollm2-135m-instruct cannot be the MTP heads of trunk.gguf: no MTP heads in "
+     "SmolLM2-135M-Instruct.Q4_1.gguf; "),
+    (["--to", "llama-server", "-m", "{G}", "-md", "{H}", "--spec-type", "draft"],     # llama.cpp: SIGSEGV
+     "Error: -md heads.gguf holds only MTP heads (no trunk), not a draft model; use --spec-type draft-mtp"),
     (["--to", "llama-server", "--spec-type", "draft", "-md", "smollm2-135m-instruct"],    # as run refuses it
      "Error: draft model smollm2-135m-instruct cannot draft for full.gguf: draft vocab (49152 tokens) differs from "
      "target (512) by more than 128"),
@@ -268,5 +281,5 @@ def test_bad_input_is_one_line_and_exit_1(f, args, line):
     r = invoke(*(["-m", f["G"]] if "-m" not in args else []), *args)
     assert r.exit_code == 1, r.output
     assert r.stdout == ""
-    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(fill(line, f)), r.stderr
     assert "Traceback" not in r.output

@@ -71,6 +71,7 @@ class Plan:
     n_ctx: int               # 0: the model's training context
     n_threads: int           # 0: not given
     passthrough: tuple[tuple[str, str], ...] = ()   # llama.cpp flags given, as llama-server spells them
+    exact: bool = False      # specrun's exact mode (serve's default; --no-exact turns it off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +138,18 @@ def _llama_server(p: Plan) -> Export:
             argv += ["-lcd", os.path.abspath(c.lookup_cache_dynamic)]
             notes.append(f"-lcd {c.lookup_cache_dynamic}: llama-server also writes what it generates into this "
                          "file (\"updated by generation\"); specrun only reads it")
+    if s.n_min and not set(MODEL_TYPES) & set(s.types) and s.types:
+        notes.append(f"--spec-draft-n-min {s.n_min}: not exported; llama-server applies it to draft-model, EAGLE-3 "
+                     "and MTP drafts only, not to n-gram ones")
     if s.adaptive and s.types:
         notes.append("--spec-draft-adaptive: not exported; llama-server drafts up to the n-max / size-m given")
     if s.verify == "rejection":
         notes.append("--spec-verify rejection: not exported; llama-server verifies by matching the sampled token "
                      "(specrun's `match`), which is lossless too")
+    if p.exact:
+        notes.append("exact mode: not exported; llama-server has none (its verify batches may differ from one-token "
+                     "decoding); GGML_CPU_TILED_MM=0 in its environment and -nr -ctk q8_0 give it exact mode's kernels "
+                     "and KV types (--no-exact: this line goes)")
     return Export(tuple(argv), tuple(notes))
 
 

@@ -15,7 +15,12 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from specrun.gguf_spec.compat import check_draft_compatible, check_eagle3_compatible, eagle3_problem
+from specrun.gguf_spec.compat import (
+    check_draft_compatible,
+    check_eagle3_compatible,
+    check_mtp_heads_compatible,
+    eagle3_problem,
+)
 from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import ModelSpec, load_spec
 from specrun.kernels.engine import Engine
@@ -42,7 +47,7 @@ def types_for(model: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:
         elif draft.has_trunk:
             if check_draft_compatible(model, draft).ok:
                 types.append("draft-simple")
-        elif draft.has_mtp:
+        elif check_mtp_heads_compatible(model, draft).ok:
             types.append("draft-mtp")
     if "draft-mtp" not in types and model.has_mtp:
         types.append("draft-mtp")
@@ -124,10 +129,23 @@ def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
         if not c.ok:
             raise IncompatibleDraft(f"EAGLE-3 draft {name} cannot draft for {path.name}: {c.reason}")
     params = replace(params, spec=replace(params.spec, types=draft_types(params, draft, name if draft else "")))
-    if draft is not None and "draft-simple" in params.spec.types:   # before any loading, and for export too
+    types = params.spec.types
+    if draft is not None and "draft-simple" in types:   # before any loading, and for export too
+        if draft.has_mtp and not draft.has_trunk:      # llama.cpp dies of SIGSEGV drafting with it
+            raise IncompatibleDraft(f"-md {name} holds only MTP heads (no trunk), not a draft model; use "
+                                    "--spec-type draft-mtp")
         c = check_draft_compatible(spec, draft)
         if not c.ok:
             raise IncompatibleDraft(f"draft model {name} cannot draft for {path.name}: {c.reason}")
+    if "draft-mtp" in types and types != AUTO:
+        if draft is not None and not draft.is_eagle3 and not {"draft-simple", "draft-eagle3"} & set(types):
+            c = check_mtp_heads_compatible(spec, draft)     # the engine reads the heads of -md then
+            if not c.ok:
+                raise IncompatibleDraft(f"-md {name} cannot be the MTP heads of {path.name}: {c.reason}")
+        elif not spec.has_mtp:
+            raise SpecrunError(f"{path}: the model has no MTP heads, so --spec-type draft-mtp is not available; "
+                               f"run `specrun inspect {path}` to see what it holds, or pass MTP heads with "
+                               "-md HEADS.gguf")
     if params.spec.types == AUTO:
         params = replace(params, spec=replace(params.spec, types=available_types(path, params.draft_model)))
     if params.placement is not None and "draft-mtp" in params.spec.types and not params.draft_model:
