@@ -102,3 +102,29 @@ def make_gguf(tmp_path: Path):
         return write_gguf(tmp_path / name, **kw)
 
     return make
+
+
+def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, strings: dict[str, str] | None = None,
+                 nan: str | None = None) -> Path:
+    """A copy of the GGUF src: metadata in kv ({key: (value, GGUFValueType)}) set, string keys in
+    strings added (as convert_hf_to_gguf.py writes general.source.*), every value of tensor `nan`
+    (F32) made NaN (what a corrupt or overflowed file gives)."""
+    kv = kv or {}
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        value, vtype = kv.get(name, (f.contents(), f.types[0]))
+        w.add_key_value(name, value, vtype, sub_type=sub)
+    for k, v in (strings or {}).items():
+        w.add_string(k, v)
+    for t in r.tensors:
+        data = np.full_like(t.data, np.nan) if t.name == nan else t.data
+        w.add_tensor(t.name, data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

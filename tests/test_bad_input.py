@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import write_gguf
+from conftest import rewrite_gguf, write_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -373,35 +373,11 @@ def test_mutants_end_in_spec_or_gguf_error(fuzz_dir):
 
 # ---- weights that give NaN logits: one line from the target; a draft's only stops drafting ----
 
-def rewrite(src: Path, dst: Path, *, nan: str | None = None, kv: dict | None = None) -> Path:
-    """src with every value of tensor `nan` (F32) NaN, what a corrupt or overflowed file gives, and
-    the metadata in kv ({key: (value, GGUFValueType)}) set."""
-    import gguf
-    import numpy as np
-    kv = kv or {}
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub = {"sub_type": f.types[-1]} if f.types[0] == gguf.GGUFValueType.ARRAY else {}
-        value, vtype = kv.get(name, (f.contents(), f.types[0]))
-        w.add_key_value(name, value, vtype, **sub)
-    for t in r.tensors:
-        data = np.full_like(t.data, np.nan) if t.name == nan else t.data
-        w.add_tensor(t.name, data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 @pytest.fixture(scope="module")
 def nan_pair(tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("nan")
     good = write_test_model(d / "good.gguf", TINY, "f32")
-    return good, rewrite(good, d / "nan.gguf", nan="output_norm.weight")
+    return good, rewrite_gguf(good, d / "nan.gguf", nan="output_norm.weight")
 
 
 @pytest.mark.timeout(120)
@@ -460,7 +436,7 @@ def test_c_0_with_a_training_context_llama_cpp_cannot_use(nan_pair, tmp_path, n_
     after gigabytes of allocation with "n_ctx -2147483648 ... std::bad_alloc"."""
     import gguf
     good, _ = nan_pair
-    path = rewrite(good, tmp_path / "m.gguf", kv={"qwen35.context_length": (n_ctx_train, gguf.GGUFValueType.UINT32)})
+    path = rewrite_gguf(good, tmp_path / "m.gguf", kv={"qwen35.context_length": (n_ctx_train, gguf.GGUFValueType.UINT32)})
     r = CliRunner().invoke(cli, ["-m", str(path), "-c", "0", "-p", "hi", "-n", "1", "-t", "1"])
     assert (r.exit_code, r.stdout) == (1, ""), r.output
     read = n_ctx_train - 2**32 if n_ctx_train >= 2**31 else n_ctx_train

@@ -9,9 +9,9 @@ import json
 import shlex
 from pathlib import Path
 
-import gguf
 import pytest
 from click.testing import CliRunner
+from conftest import rewrite_gguf
 
 from specrun.cli.main import cli
 from specrun.gguf_spec.extract import extract_mtp, extract_trunk
@@ -35,22 +35,7 @@ def invoke(*args: str):
 
 def with_metadata(src: Path, dst: Path, extra: dict[str, str]) -> Path:
     """A copy of the GGUF src with string keys added (as convert_hf_to_gguf.py writes general.source.*)."""
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
-    for k, v in extra.items():
-        w.add_string(k, v)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return rewrite_gguf(src, dst, strings=extra)
 
 
 @pytest.fixture(scope="module")
