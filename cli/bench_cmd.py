@@ -43,7 +43,7 @@ from specrun.kernels.types import SamplingParams
 
 from .runtime.chat import ChatFormat
 from .runtime.console import err_console, handle_errors, setup_logging
-from .runtime.loading import available_types, open_engine, prepare
+from .runtime.loading import open_engine, prepare
 from .runtime.options import AUTO, engine_params, model_options, ngram_family_options, ngram_family_params
 from .runtime.prompts import BUILTIN, CHAT_MESSAGE, PROMPTS, read_prompt
 
@@ -408,9 +408,8 @@ def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_pred
     setup_logging(kw["verbose"])
     params = engine_params(kw, SpecParams())
     if spec_type is None:     # every type the files allow (as auto, which says nothing of an unused -md)
-        model, params = prepare(kw["model"], replace(params, spec=SpecParams(types=AUTO)))
-        spec_type = ",".join(("none", *(t for t in available_types(model, params.draft_model)
-                                        if t == "ngram-simple" or t not in NGRAM_TYPES)))
+        _, params = prepare(kw["model"], replace(params, spec=SpecParams(types=AUTO)))   # auto: the available ones
+        spec_type = ",".join(("none", *(t for t in params.spec.types if t == "ngram-simple" or t not in NGRAM_TYPES)))
     family = ngram_family_params(kw)
     settings = parse_settings(spec_type, n_max, ngram_n, ngram_m, family)
     chosen = _prompt_choice(prompt, file, prompt_names)

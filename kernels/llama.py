@@ -327,39 +327,28 @@ class Model:
             raise LlamaError(f"tokenization failed ({n}) for a text of {len(data)} bytes")
         return np.frombuffer(buf, dtype=np.int32, count=n).copy()
 
-    def piece(self, token: int) -> bytes:
-        """The bytes a token renders to (control tokens render as nothing)."""
-        p = self._pieces.get(token)
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes a token renders to: control tokens as nothing, or spelled out (b'<|im_end|>') with
+        special, as llama.cpp's common_token_to_piece(..., special=true) that llama-server's /tokenize
+        and /detokenize use."""
+        p = None if special else self._pieces.get(token)
         if p is None:
             buf = ctypes.create_string_buffer(64)
-            n = L.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
+            n = L.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
-                n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
+                n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
             p = buf.raw[:n]
-            self._pieces[token] = p
+            if not special:
+                self._pieces[token] = p
         return p
 
     def token_text(self, token: int) -> str:
         """A token's text with special tokens spelled out (e.g. '<|im_end|>'); '' for -1."""
-        if token < 0:
-            return ""
-        buf = ctypes.create_string_buffer(256)
-        n = L.llama_token_to_piece(self.vocab, token, buf, 256, 0, True)
-        return buf.raw[:max(n, 0)].decode("utf-8", errors="replace")
+        return self.piece(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
 
     def detokenize(self, tokens) -> str:
         return b"".join(self.piece(int(t)) for t in tokens).decode("utf-8", errors="replace")
-
-    def special_piece(self, token: int) -> bytes:
-        """The bytes of a token with control tokens spelled out (b'<|im_end|>'), as llama.cpp's
-        common_token_to_piece(..., special=true) that llama-server's /tokenize and /detokenize use."""
-        buf = ctypes.create_string_buffer(64)
-        n = L.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
-        return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
         return token in self._eog

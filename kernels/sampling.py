@@ -42,11 +42,11 @@ from .types import SamplingParams
 class NonFiniteLogits(SpecrunError):
     """A row of logits with no finite maximum: nothing can be sampled from it."""
 
-    def __init__(self, top: float, pos: int | None = None, whose: str = "the model's") -> None:
+    def __init__(self, top: float, pos: int | None = None) -> None:
         at = f" at position {pos}" if pos is not None else ""
         why = ("every token has a logit of -inf: a --logit-bias or grammar forbids them all, or "
                if top == float("-inf") else "")
-        super().__init__(f"{whose} logits{at} have no finite maximum ({top}): {why}the weights or metadata give "
+        super().__init__(f"the model's logits{at} have no finite maximum ({top}): {why}the weights or metadata give "
                          "NaN or infinite values; check the file (`specrun inspect`), or use another model")
         self.top, self.pos = top, pos
 

@@ -69,7 +69,7 @@ def llama_router(state: ServerState) -> APIRouter:
             return ids
         out = []
         for t in ids:
-            b = model.special_piece(t)
+            b = model.piece(t, special=True)
             try:
                 piece: str | list[int] = b.decode("utf-8")
             except UnicodeDecodeError:
@@ -87,7 +87,7 @@ def llama_router(state: ServerState) -> APIRouter:
         if bad:
             raise ApiError(400, f"tokens: token id {bad[0]} is out of the vocabulary (0..{model.n_vocab - 1})",
                            "invalid_value")
-        text = b"".join(model.special_piece(t) for t in req.tokens).decode("utf-8", errors="replace")
+        text = b"".join(model.piece(t, special=True) for t in req.tokens).decode("utf-8", errors="replace")
         return {"content": text}
 
     def props() -> dict:
