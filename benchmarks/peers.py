@@ -18,8 +18,8 @@ an unrelated 800-token prompt (1 token asked) leaves nothing of the last prompt 
 servers evaluate every prompt in full (llama-server also gets cache_prompt false); a request that
 reused some, or that ran while other work took more than --max-busy of the CPUs, is measured again. Requests are greedy (temperature 0),
 n_predict 128. The EAGLE-3 rows run on a synthetic pair that `specrun make-test-model --eagle3` writes
-under build/peers/models (a 24-layer llama bigram target, n_embd 512, q8_0, and its exact eagle3 draft:
-llama.cpp accepts every greedy draft), with the same -md flags for both servers. Speeds are each server's own `timings` (prompt_per_second, predicted_per_second),
+under build/peers/models (a 24-layer llama bigram target, n_embd 512, q8_0, and its exact eagle3 draft,
+f16: llama.cpp accepts every greedy draft at any n-max), with the same -md flags for both servers. Speeds are each server's own `timings` (prompt_per_second, predicted_per_second),
 median over the reps; `× none` is a system's median over its own `none` median, `= none` whether
 every rep's text equals that system's own `none` text. Writes benchmarks/results/peers.json (every
 request) and peers.md (the table); --readme puts the table between README.md's peers markers.
@@ -28,7 +28,7 @@ request) and peers.md (the table); --readme puts the table between README.md's p
 (benchmarks/results/spec_peers.json / .md) and README markers (spec-peers), so neither run can
 wipe the other's rows: llama.cpp's n-gram family (ngram-simple, ngram-map-k, ngram-map-k4v,
 ngram-mod, ngram-cache, each with llama.cpp's default flags, the same to both servers) on the
-input-grounded workloads, and draft-eagle3 at n-max 3, 5, 7, 11 and 15 on the synthetic pair. Besides
+input-grounded workloads, and draft-eagle3 at n-max 3 to 47 (EAGLE3_N_MAX) on the synthetic pair. Besides
 tok/s, × none and = none it shows, for both systems, acceptance = Σ draft_n_accepted / Σ draft_n
 and tokens per target pass = Σ n_predicted / Σ (n_predicted − draft_n_accepted), summed over the
 kept reps, from each server's /completion `timings` (llama-server leaves draft_n out when it
@@ -122,7 +122,7 @@ NGRAM = ("--spec-type", "ngram-simple")
 # llama.cpp's other n-gram drafters, each with its defaults (common/common.h: map-k and map-k4v size-n 12,
 # size-m 48, min-hits 1; ngram-mod n-match 24, n-min 48, n-max 64; ngram-cache without lookup files)
 NGRAM_FAMILY = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
-EAGLE3_N_MAX = (3, 5, 7, 11, 15)
+EAGLE3_N_MAX = (3, 5, 7, 11, 15, 31, 47)
 MTP_N_MAX = (1, 3, 5)
 SETTINGS = (
     Setting("none", ("--spec-type", "none")),
@@ -196,11 +196,11 @@ def server_command(system: str, model: str, path: str, setting: Setting, port: i
 
 def synthetic_eagle3(specrun: str) -> tuple[Path, Path]:
     """The realistic synthetic target and its exact EAGLE-3 draft, written once (deterministic)."""
-    target, draft = MODELS / "eagle3-target-q8_0.gguf", MODELS / "eagle3-draft-q8_0.gguf"
+    target, draft = MODELS / "eagle3-target-q8_0.gguf", MODELS / "eagle3-draft-f16.gguf"
     if not (target.is_file() and draft.is_file()):
         MODELS.mkdir(parents=True, exist_ok=True)
         subprocess.run([specrun, "make-test-model", str(target), "--eagle3", str(draft), "--shape", "realistic",
-                        "--head", "exact", "--quant", "q8_0"], check=True, timeout=600)
+                        "--head", "exact", "--quant", "q8_0", "--draft-quant", "f16"], check=True, timeout=600)
     return target, draft
 
 

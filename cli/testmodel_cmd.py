@@ -16,8 +16,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from specrun.gguf_spec.extract import ExtractError, extract_mtp, extract_trunk
 from specrun.gguf_spec.output import check_output, same_file
 from specrun.gguf_spec.testmodel import SHAPES, Head, SynthConfig, SynthConfigError
+from specrun.gguf_spec.testmodel_eagle3 import DTYPES as EAGLE3_QUANTS
 from specrun.gguf_spec.testmodel_eagle3 import SHAPES as EAGLE3_SHAPES
-from specrun.gguf_spec.testmodel_eagle3 import Eagle3Config
+from specrun.gguf_spec.testmodel_eagle3 import Eagle3Config, draft_dtype_for
 from specrun.kernels.check_mtp import check_mtp
 from specrun.kernels.quantize import (
     DEFAULT_MTP_TYPE,
@@ -92,6 +93,9 @@ def _head(ctx, param, value):
               metavar="DRAFT.gguf",
               help="instead: OUT is a llama target and DRAFT.gguf its EAGLE-3 draft (--head applies to the draft; "
                    "realistic = 24 layers, n_embd 512, n_ff 2048; tiny = 4, 256, 512; quants f32, f16, q8_0)")
+@click.option("--draft-quant", type=click.Choice(EAGLE3_QUANTS, case_sensitive=False), default=None,
+              help="with --eagle3: the draft's matrices (default: f16 beside a q8_0 target, whose exact head "
+                   "q8_0 rounding would make drift after ~15 chained steps; else as --quant)")
 @click.option("--draft-vocab", type=click.IntRange(2), default=None,
               help="with --eagle3: the draft's own head covers this many tokens, mapped through d2t")
 @click.option("--check", is_flag=True, help="load the result with llama.cpp and print greedy MTP (or EAGLE-3) acceptance")
@@ -99,18 +103,19 @@ def _head(ctx, param, value):
               help="CPU threads for quantizing (default: all) and --check (default: 1)")
 @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp to stderr")
 @handle_errors
-def make_test_model(out, shape, head, trunk_layers, n_embd, n_ff, n_vocab, quant, seed, eagle3, draft_vocab, check,
-                    threads, verbose):
+def make_test_model(out, shape, head, trunk_layers, n_embd, n_ff, n_vocab, quant, seed, eagle3, draft_quant,
+                    draft_vocab, check, threads, verbose):
     """Write a synthetic qwen35 GGUF with one MTP block whose drafts llama.cpp accepts
     (exact), partly accepts (noisy) or rejects (random). Deterministic: same flags, same bytes.
     With --eagle3 DRAFT.gguf: a llama target and an EAGLE-3 draft with such a head."""
     setup_logging(verbose)
     if eagle3 is not None:
-        _make_eagle3(out, eagle3, shape, head, trunk_layers, n_embd, n_ff, n_vocab, draft_vocab, quant, seed, check,
-                     threads)
+        _make_eagle3(out, eagle3, shape, head, trunk_layers, n_embd, n_ff, n_vocab, draft_vocab, quant, draft_quant,
+                     seed, check, threads)
         return
-    if draft_vocab is not None:
-        raise click.UsageError("--draft-vocab goes with --eagle3 DRAFT.gguf")
+    for flag, value in (("--draft-vocab", draft_vocab), ("--draft-quant", draft_quant)):
+        if value is not None:
+            raise click.UsageError(f"{flag} goes with --eagle3 DRAFT.gguf")
     base = SHAPES[shape]
     cfg = SynthConfig(head=head,
                       trunk_layers=base.trunk_layers if trunk_layers is None else trunk_layers,
@@ -130,15 +135,17 @@ def make_test_model(out, shape, head, trunk_layers, n_embd, n_ff, n_vocab, quant
 
 
 def _make_eagle3(out: Path, draft: Path, shape: str, head: Head, n_layer, n_embd, n_ff, n_vocab, draft_vocab,
-                 quant: str, seed: int, check: bool, threads: int) -> None:
+                 quant: str, draft_quant: str | None, seed: int, check: bool, threads: int) -> None:
     base = EAGLE3_SHAPES[shape]
     cfg = Eagle3Config(head=head, n_layer=base.n_layer if n_layer is None else n_layer,
                        n_embd=base.n_embd if n_embd is None else n_embd, n_ff=base.n_ff if n_ff is None else n_ff,
                        n_vocab=base.n_vocab if n_vocab is None else n_vocab, draft_vocab=draft_vocab, seed=seed)
-    build_eagle3_test_models(out, draft, cfg, quant)
+    quant = quant.lower()
+    draft_quant = draft_dtype_for(quant) if draft_quant is None else draft_quant.lower()
+    build_eagle3_test_models(out, draft, cfg, quant, draft_quant)
     layers = ", ".join(str(x) for x in cfg.extract_layers)
-    _say(f"wrote {out} ({_mib(out.stat().st_size)}, llama {quant.lower()}, {cfg.n_layer} layers) and {draft} "
-         f"({_mib(draft.stat().st_size)}, eagle3, extract layers {layers}; {cfg.describe()})")
+    _say(f"wrote {out} ({_mib(out.stat().st_size)}, llama {quant}, {cfg.n_layer} layers) and {draft} "
+         f"({_mib(draft.stat().st_size)}, eagle3 {draft_quant}, extract layers {layers}; {cfg.describe()})")
     if check:
         r = check_eagle3(out, draft, n_threads=threads or 1)
         _say(f"greedy EAGLE-3 acceptance: {r.rate:.1%} ({r.n_accepted}/{r.n_drafted} at n-max {r.n_max}); "

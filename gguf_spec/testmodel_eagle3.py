@@ -26,7 +26,13 @@ attention, FFN); "random" draws them all at random. With draft_vocab = N the dra
 covers N tokens through d2t (draft id -> target id), and f maps into those N tokens.
 
 Quantization: "q8_0" is written directly (gguf.quants), as are f32 and f16; in exact mode only
-quantized matrices are batch-invariant, so q8_0 is the one whose output equals `none` bit for bit.
+quantized matrices are batch-invariant, so a q8_0 target is the one whose output equals `none` bit
+for bit. Its draft is written in f16 (draft_dtype): the draft's residual carries each step's
+rounding into the next (g_{k+1} = g_k + FFN(g_k)), and q8_0's rounding (of the weights and of the
+activations llama.cpp quantizes for them) adds up until a chain of 16 to 20 steps drafts a wrong
+token, so the "exact" head would stop being exact at n-max >= 16 (measured: 93 % acceptance at
+n-max 31 on the realistic shape, 95 % at 47 on the tiny one; f16 and f32: 100 % at 62). The
+draft proposes only; the target decides every token, so the output stays bit-exact.
 The tokenizer is the truncated Qwen2 BPE of gguf_spec.testmodel. Deterministic: the same config
 gives the same bytes.
 """
@@ -269,21 +275,29 @@ def _finish(w: gguf.GGUFWriter, path: Path, tensors: dict[str, np.ndarray], dtyp
     w.close()
 
 
+def draft_dtype_for(dtype: str) -> str:
+    """The draft's dtype by default: f16 beside a q8_0 target (see the module docstring), else the same."""
+    return "f16" if dtype == "q8_0" else dtype
+
+
 def write_eagle3_pair(target: str | Path, draft: str | Path, cfg: Eagle3Config = TINY,
-                      dtype: str = "q8_0") -> tuple[Path, Path]:
-    """Write the synthetic target and its EAGLE-3 draft with 2-D matrices in `dtype` ('f32' |
-    'f16' | 'q8_0'; norms stay F32, d2t I64). Deterministic: same (cfg, dtype) -> same bytes."""
-    if dtype not in DTYPES:
-        raise SynthConfigError(f"the EAGLE-3 test models are written as {', '.join(DTYPES)}, not '{dtype}'")
+                      dtype: str = "q8_0", draft_dtype: str | None = None) -> tuple[Path, Path]:
+    """Write the synthetic target with 2-D matrices in `dtype` ('f32' | 'f16' | 'q8_0'; norms stay
+    F32, d2t I64) and its EAGLE-3 draft in `draft_dtype` (default draft_dtype_for(dtype)).
+    Deterministic: same arguments -> same bytes."""
+    draft_dtype = draft_dtype_for(dtype) if draft_dtype is None else draft_dtype
+    for d in (dtype, draft_dtype):
+        if d not in DTYPES:
+            raise SynthConfigError(f"the EAGLE-3 test models are written as {', '.join(DTYPES)}, not '{d}'")
     target, draft = Path(target), Path(draft)
     if same_file(target, draft):
         raise SynthConfigError(f"the target and the draft are the same file ({target}); give two names")
     with writing(target) as target_out, writing(draft) as draft_out:     # both checked before either is written
-        _write_pair(target_out, draft_out, cfg, dtype)
+        _write_pair(target_out, draft_out, cfg, dtype, draft_dtype)
     return target, draft
 
 
-def _write_pair(target: Path, draft: Path, cfg: Eagle3Config, dtype: str) -> None:
+def _write_pair(target: Path, draft: Path, cfg: Eagle3Config, dtype: str, draft_dtype: str) -> None:
     w = gguf.GGUFWriter(None, TARGET_ARCH)
     w.add_name(f"specrun synthetic {TARGET_ARCH} (EAGLE-3 target)")
     w.add_description(f"specrun make-test-model --eagle3: {cfg.describe()}")
@@ -293,8 +307,8 @@ def _write_pair(target: Path, draft: Path, cfg: Eagle3Config, dtype: str) -> Non
     w = gguf.GGUFWriter(None, DRAFT_ARCH)
     w.add_name(f"specrun synthetic {DRAFT_ARCH} draft")
     w.add_description(f"specrun make-test-model --eagle3: {cfg.describe()}")
-    _common(w, cfg, dtype, 1)
+    _common(w, cfg, draft_dtype, 1)
     w.add_array(KEY_TARGET_LAYERS.format(arch=DRAFT_ARCH), list(cfg.extract_layers))
     w.add_uint32(KEY_TARGET_HIDDEN_SIZE.format(arch=DRAFT_ARCH), cfg.n_embd)
     w.add_bool(KEY_NORM_BEFORE_RESIDUAL.format(arch=DRAFT_ARCH), False)
-    _finish(w, draft, draft_tensors(cfg), dtype)
+    _finish(w, draft, draft_tensors(cfg), draft_dtype)

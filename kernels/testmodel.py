@@ -14,6 +14,7 @@ from specrun.gguf_spec.testmodel_eagle3 import DTYPES as EAGLE3_DTYPES
 from specrun.gguf_spec.testmodel_eagle3 import Eagle3Config, write_eagle3_pair
 
 from .engine import Engine
+from .llama import MAX_EXACT_BATCH
 from .params import EngineParams, SpecParams
 from .quantize import ProgressFn, QuantizeError, quantize
 from .types import SamplingParams
@@ -63,18 +64,20 @@ class Eagle3Check:
 
 
 def build_eagle3_test_models(target: str | Path, draft: str | Path, cfg: Eagle3Config,
-                             quant: str = "q8_0") -> tuple[Path, Path]:
-    """Write a synthetic llama target and its EAGLE-3 draft (gguf_spec.testmodel_eagle3) in quant
-    (f32 / f16 / q8_0, written directly)."""
-    quant = quant.strip().lower()
-    if quant not in EAGLE3_DTYPES:
-        raise QuantizeError(f"the EAGLE-3 test models are written as {', '.join(EAGLE3_DTYPES)}, not '{quant}'")
-    return write_eagle3_pair(target, draft, cfg, quant)
+                             quant: str = "q8_0", draft_quant: str | None = None) -> tuple[Path, Path]:
+    """Write a synthetic llama target in quant and its EAGLE-3 draft in draft_quant (f32 / f16 /
+    q8_0, written directly; default: f16 beside a q8_0 target, see gguf_spec.testmodel_eagle3)."""
+    quants = [q.strip().lower() if q else None for q in (quant, draft_quant)]
+    for q in quants:
+        if q is not None and q not in EAGLE3_DTYPES:
+            raise QuantizeError(f"the EAGLE-3 test models are written as {', '.join(EAGLE3_DTYPES)}, not '{q}'")
+    return write_eagle3_pair(target, draft, cfg, quants[0], quants[1])
 
 
-def check_eagle3(target: str | Path, draft: str | Path, *, n_max: int = 3, n_predict: int = 64,
+def check_eagle3(target: str | Path, draft: str | Path, *, n_max: int = MAX_EXACT_BATCH - 1, n_predict: int = 128,
                  n_threads: int = 1) -> Eagle3Check:
-    """Generate greedily with and without the draft (exact mode) and count what the target kept."""
+    """Generate greedily with and without the draft (exact mode) and count what the target kept.
+    The longest chain exact mode verifies by default: an exact head must hold for all of it."""
     spec = SpecParams(types=("draft-eagle3",), n_max=n_max, verify="match")
     greedy = SamplingParams(temp=0.0)
     with Engine(str(target), EngineParams(n_ctx=1024, n_threads=n_threads, draft_model=str(draft),

@@ -175,6 +175,22 @@ def test_draft_eagle3_equals_plain(models, plain, head):
 
 
 @pytest.mark.slow
+def test_the_exact_head_holds_for_exact_modes_longest_chain(models, plain):
+    """Exact means every greedy draft accepted at any n-max, not only at short ones: the draft is
+    written in f16 beside the q8_0 target (a q8_0 draft's rounding, carried in its residual from
+    step to step, drafted a wrong token after 16-20 steps: 81 % acceptance at n-max 62)."""
+    toks, ref = plain("exact")
+    assert {t.tensor_type.name for t in gguf.GGUFReader(models["exact"][1]).tensors if t.name == "fc.weight"} == {"F16"}
+    t, d = models["exact"]
+    with Engine(str(t), replace(PARAMS, draft_model=str(d), spec=spec(62))) as e:
+        assert e.n_max_cap == 62
+        gen = e.generate(toks["long"], 160, SamplingParams(temp=0.0), spec=spec(62))
+        got = [t for ts in gen for t in ts]
+    assert gen.stats.n_accepted == gen.stats.n_drafted > 150
+    assert got[:N_GEN] == ref[("long", 0.0)]
+
+
+@pytest.mark.slow
 def test_always_wrong_drafter_equals_plain(models, plain):
     toks, ref = plain("exact")
     with eagle3_engine(models, "exact") as e:
@@ -353,8 +369,9 @@ def test_make_test_model_eagle3_checks_with_llama_cpp(tmp_path):
                 "-t", "1")
     assert r.exit_code == 0, r.output
     assert r.stdout == ""
-    assert "llama q8_0, 4 layers" in r.stderr and "eagle3, extract layers 1, 2, 3" in r.stderr
-    assert "greedy EAGLE-3 acceptance: 100.0% (" in r.stderr and "output equals --spec-type none" in r.stderr
+    assert "llama q8_0, 4 layers" in r.stderr and "eagle3 f16, extract layers 1, 2, 3" in r.stderr
+    assert "greedy EAGLE-3 acceptance: 100.0% (" in r.stderr and "at n-max 62)" in r.stderr
+    assert "output equals --spec-type none" in r.stderr
     assert t.read_bytes() == (tmp_path / "t.gguf").read_bytes()
     r = cli_run("make-test-model", str(t), "--eagle3", str(d), "--quant", "q4_k_m")
     assert r.exit_code == 1 and "the EAGLE-3 test models are written as f32, f16, q8_0, not 'q4_k_m'" in r.stderr
