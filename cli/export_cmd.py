@@ -22,7 +22,7 @@ from specrun.kernels.params import EngineParams
 from .runtime.console import handle_errors, note
 from .runtime.export import ENGINES, Plan, export_command, weights
 from .runtime.loading import prepare
-from .runtime.options import AUTO, given, model_options, spec_options, spec_params
+from .runtime.options import AUTO, given, kv_params, model_options, spec_options, spec_params
 
 # llama.cpp flags of model_options that llama-server takes as they are: (option name, flag). Its
 # --mlock and --no-mmap are now -lm/--load-mode (common/arg.cpp), see _given_llama_flags.
@@ -57,7 +57,8 @@ def export(engine, host, port, alias, **kw):
     if "draft-simple" in spec.types and not kw["model_draft"]:
         raise SpecrunError("--spec-type draft needs -md/--model-draft DRAFT.gguf (the draft model to export)")
     path, params = prepare(kw["model"], EngineParams(n_ctx=kw["ctx_size"], n_threads=kw["threads"], spec=spec,
-                                                     draft_model=kw["model_draft"]))
+                                                     draft_model=kw["model_draft"], exact=not kw["no_exact"],
+                                                     kv=kv_params(kw)))
     model = weights(path)      # prepare checked the MTP heads draft-mtp reads, as run and serve
     draft = weights(params.draft_model) if params.draft_model else None
     name = alias or (kw["model"] if kw["model"] in KNOWN_MODELS else Path(path).stem)

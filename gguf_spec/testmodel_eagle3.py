@@ -92,6 +92,7 @@ class Eagle3Config(SynthShape):
     n_vocab: int = 512
     draft_vocab: int | None = None   # None: the draft shares the target's head (no d2t)
     seed: int = 0
+    head_dim: int = HEAD_DIM         # attention head size (80: phi-2's, which Q8_0's 32-value blocks do not divide)
 
     def __post_init__(self) -> None:
         if self.n_layer < 4:
@@ -100,8 +101,14 @@ class Eagle3Config(SynthShape):
         if self.n_ff < self.n_vocab:
             raise SynthConfigError(f"n_ff {self.n_ff} is below the vocab {self.n_vocab}: the bigram FFN "
                                    "needs one unit per token")
+        if self.head_dim < 2 or self.head_dim % 2 or self.n_embd % self.head_dim:
+            raise SynthConfigError(f"head size {self.head_dim} must be even and divide n_embd {self.n_embd}")
         if self.draft_vocab is not None and not 2 <= self.draft_vocab < self.n_vocab:
             raise SynthConfigError(f"draft vocab {self.draft_vocab} is out of range [2, {self.n_vocab - 1}]")
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // self.head_dim
 
     @property
     def extract_layers(self) -> tuple[int, int, int]:
@@ -113,8 +120,9 @@ class Eagle3Config(SynthShape):
 
     def describe(self) -> str:
         dv = f" draft_vocab={self.draft_vocab}" if self.draft_vocab else ""
+        hd = f" head_dim={self.head_dim}" if self.head_dim != HEAD_DIM else ""
         return (f"head={self.head} n_layer={self.n_layer} n_embd={self.n_embd} n_ff={self.n_ff} "
-                f"vocab={self.n_vocab}{dv} seed={self.seed}")
+                f"vocab={self.n_vocab}{dv}{hd} seed={self.seed}")
 
 
 TINY = Eagle3Config()
@@ -165,7 +173,7 @@ def target_tensors(cfg: Eagle3Config) -> dict[str, np.ndarray]:
     """Every tensor of the target as float32 numpy arrays, shape (out, in), in file order."""
     T = gguf.MODEL_TENSOR
     s, D, F = cfg.seed, cfg.n_embd, cfg.n_ff
-    hd, nh, nkv = HEAD_DIM, cfg.n_head, cfg.n_head_kv
+    hd, nh, nkv = cfg.head_dim, cfg.n_head, cfg.n_head_kv
     out: dict[str, np.ndarray] = {}
     emb = _embeddings(cfg)
     out[_tn(T.TOKEN_EMBD)] = emb
@@ -190,7 +198,7 @@ def draft_tensors(cfg: Eagle3Config) -> dict[str, np.ndarray]:
     """Every tensor of the EAGLE-3 draft (float32 numpy, shape (out, in); d2t int64), in file order."""
     T = gguf.MODEL_TENSOR
     s, D = cfg.seed, cfg.n_embd
-    hd, nh, nkv = HEAD_DIM, cfg.n_head, cfg.n_head_kv
+    hd, nh, nkv = cfg.head_dim, cfg.n_head, cfg.n_head_kv
     tgt = target_tensors(cfg)
     R = cfg.bigram_layer
     out: dict[str, np.ndarray] = {}
@@ -240,7 +248,7 @@ def _common(w: gguf.GGUFWriter, cfg: Eagle3Config, dtype: str, n_layer: int) -> 
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
     w.add_layer_norm_rms_eps(RMS_EPS)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(ROPE_FREQ_BASE)
     w.add_vocab_size(cfg.n_vocab)
     w.add_tokenizer_model("gpt2")

@@ -150,7 +150,8 @@ class Engine:
                                    "e.g. -c 4096")
             self.ctx = Context(self.model, ContextParams(
                 n_ctx=params.n_ctx or self.model.n_ctx_train, n_batch=max(params.n_batch, self.n_max_cap + 1),
-                n_threads=params.n_threads, n_rs_seq=self._rollback(spec), nextn="all" if self.mtp_enabled else None))
+                n_threads=params.n_threads, n_rs_seq=self._rollback(spec), nextn="all" if self.mtp_enabled else None,
+                type_k=params.kv.type_k, type_v=params.kv.type_v, flash_attn=params.kv.flash_attn))
             self.n_ctx = self.ctx.n_ctx
             self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
             # prompts of MIN_PROMPT+ tokens: all of them through the fast prompt context (repacked
@@ -167,7 +168,7 @@ class Engine:
                     self.fast = prefill.handle()
                 else:
                     self.fast = (PrefillWorker if worker else FastPrefill)(self.model, self.n_ctx, params.n_threads,
-                                                                           self.ctx.kv_rot)
+                                                                           self.ctx.kv_rot, self.ctx.k_type)
             self._restored = 0   # the prompt length the exact context was loaded with by a hand-over; 0: none
             self._prompt_logits: np.ndarray | None = None   # float32 [n_vocab]: that prompt's last logits
             self.pass_cost = PassCost()   # t(rows) of this engine's target passes (adaptive draft length)

@@ -1,8 +1,9 @@
-"""A sequence's KV state as llama.cpp serializes it, its K rows re-encoded from F16 to Q8_0.
+"""A sequence's KV state as llama.cpp serializes it, its K rows re-encoded from F16 to Q8_0 (or BF16).
 
 The fast prompt context (kernels/prefill.py) keeps an F16 KV cache and the exact decode context
-Q8_0 K rows with F16 V rows (kernels/llama.py); ``llama_state_seq_set_data`` refuses a state of
-another cache type, so the hand-over re-encodes every K row and copies the V rows as they are.
+Q8_0 K rows with F16 V rows (kernels/llama.py; BF16 K rows where Q8_0's blocks do not divide the
+head size); ``llama_state_seq_set_data`` refuses a state of another cache type, so the hand-over
+re-encodes every K row and copies the V rows as they are.
 The layout read here is llama.cpp 0.3.36's (src/llama-kv-cache.cpp, ``state_write``; an iSWA
 model writes its full cache, then its window cache), for one sequence of a model without per-cell extensions (M-RoPE) and with V not
 transposed (flash attention on)::
@@ -29,7 +30,7 @@ from threadpoolctl import ThreadpoolController
 
 from specrun.gguf_spec.errors import SpecrunError
 
-GGML_F16, GGML_Q8_0 = 1, 8
+GGML_F16, GGML_Q8_0, GGML_BF16 = 1, 8, 30
 IO_MAGIC = 0xAF143CD8         # llama-context.cpp's io_magic, first in every sequence state
 QK8_0 = 32                    # values per Q8_0 block: f16 scale + 32 x int8 = 34 bytes
 
@@ -86,21 +87,32 @@ def hadamard(n: int) -> np.ndarray:
     return (h / np.sqrt(n)).astype(np.float32)
 
 
-def _rows(r: _Reader, out: list, n_cells: int, n_layer: int, rot: int | None) -> None:
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float16 or float32 [...] -> uint16 [...]: ggml's BF16 (ggml_compute_fp32_to_bf16: rounded to
+    nearest even, a NaN kept quiet)."""
+    u = x.astype(np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, ((u >> 16) | 64).astype(np.uint16), rounded)
+
+
+def _rows(r: _Reader, out: list, n_cells: int, n_layer: int, rot: int | None, k_type: str = "q8_0") -> None:
     """One cache's K (or V) section: n_layer x (type, row size, n_cells rows) of F16 rows, copied
-    (rot None) or re-encoded to Q8_0, each row rotated in blocks of `rot` values first (0: not
-    rotated)."""
+    (rot None) or re-encoded to k_type: Q8_0, each row rotated in blocks of `rot` values first (0:
+    not rotated), or BF16 (llama.cpp rotates no BF16 rows: rot must be 0)."""
     h = hadamard(rot) if rot else None
     for _ in range(n_layer):
         t, row = r.i32(), r.u64()
-        if t != GGML_F16 or row % (2 * QK8_0):
-            raise KVStateError(f"KV rows of type {t} and {row} bytes; expected F16 rows of a multiple of "
-                               f"{QK8_0} values")
+        if t != GGML_F16 or (rot is not None and k_type == "q8_0" and row % (2 * QK8_0)):
+            raise KVStateError(f"KV rows of type {t} and {row} bytes; expected F16 rows"
+                               + (f" of a multiple of {QK8_0} values" if t == GGML_F16 else ""))
         data = r.take(n_cells * row)
         if rot is None:
             out += [np.int32(t).tobytes(), np.uint64(row).tobytes(), data]     # joined, not copied, here
             continue
         x = np.frombuffer(data, "<f2").reshape(n_cells, row // 2)
+        if k_type == "bf16":
+            out += [np.int32(GGML_BF16).tobytes(), np.uint64(row).tobytes(), to_bf16(x).tobytes()]
+            continue
         if h is not None:
             if x.shape[1] % rot:
                 raise KVStateError(f"KV rows of {x.shape[1]} values do not split into rotation blocks of {rot}")
@@ -109,20 +121,23 @@ def _rows(r: _Reader, out: list, n_cells: int, n_layer: int, rot: int | None) ->
         out += [np.int32(GGML_Q8_0).tobytes(), np.uint64(q.shape[1]).tobytes(), q.tobytes()]
 
 
-def quantize_k(blob: bytes, rot: tuple[int, int] = (0, 0)) -> bytes:
+def quantize_k(blob: bytes, rot: tuple[int, int] = (0, 0), k_type: str = "q8_0") -> bytes:
     """A one-sequence state with F16 K/V rows (llama_state_seq_get_data) -> the same state with
-    Q8_0 K rows and the same F16 V rows, ready for llama_state_seq_set_data on an exact-mode
-    context. rot: the (K, V) Hadamard block sizes that context applies before it stores rows
-    (Context.kv_rot; llama.cpp rotates quantized rows, so V's must be 0). Raises KVStateError for
-    any layout but the one in the module docstring."""
+    K rows in k_type ('q8_0' or 'bf16': Context.k_type) and the same F16 V rows, ready for
+    llama_state_seq_set_data on an exact-mode context. rot: the (K, V) Hadamard block sizes that
+    context applies before it stores rows (Context.kv_rot; llama.cpp rotates quantized rows, so V's
+    must be 0). Raises KVStateError for any layout but the one in the module docstring."""
     if rot[1]:
         raise KVStateError(f"the exact context rotates its V rows in blocks of {rot[1]} (a quantized V "
                            "cache); only F16 V rows are handed over")
+    if k_type not in ("q8_0", "bf16") or (k_type == "bf16" and rot[0]):
+        raise KVStateError(f"K rows of type {k_type} rotated in blocks of {rot[0]}: only Q8_0 and unrotated "
+                           "BF16 K rows are handed over")
     with _blas().limit(limits=1, user_api="blas"):   # see the module docstring
-        return _quantize_k(_Reader(blob), rot)
+        return _quantize_k(_Reader(blob), rot, k_type)
 
 
-def _quantize_k(r: _Reader, rot: tuple[int, int]) -> bytes:
+def _quantize_k(r: _Reader, rot: tuple[int, int], k_type: str) -> bytes:
     if r.u32() != IO_MAGIC:
         raise KVStateError("not a llama.cpp sequence state (wrong magic)")
     out = [bytes(r.b[:8])]                              # magic, seq_id
@@ -144,6 +159,6 @@ def _quantize_k(r: _Reader, rot: tuple[int, int]) -> bytes:
             if v_trans:
                 raise KVStateError("a transposed V cache (flash attention off) cannot be handed over")
             out.append(np.array([v_trans, n_layer], "<u4").tobytes())
-            _rows(r, out, n_cells, n_layer, rot[0])     # K: to Q8_0
+            _rows(r, out, n_cells, n_layer, rot[0], k_type)     # K: to Q8_0 (or BF16)
             _rows(r, out, n_cells, n_layer, None)       # V: F16 as it is
     return b"".join(out)

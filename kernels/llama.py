@@ -11,6 +11,8 @@ and the KV cache keeps K in Q8_0 and V in F16: flash attention's split-KV path, 
 decodes take past 256 tokens of context and which sums V in another order than a batch, needs K and
 V of one F16/F32 type (ggml-cpu/ops.cpp), so a mixed cache never takes it. V stays F16, llama.cpp's
 default, whose attention is cheaper than over Q8_0 V rows (no dequantization, no Hadamard rotation).
+Where Q8_0's 32-value blocks do not divide the head size (80), K is BF16 instead: as bit-exact
+(`check-exact`), at F16's size.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def _reason() -> str:
 
 
 _LOAD_ERROR = "error loading model: "
+_K_BLOCKS = "K cache type q8_0 with block size 32 does not divide n_embd_head_k"   # llama_init_from_model
+GGML_TYPE_BF16 = 30      # ggml.h; llama-cpp-python 0.3.36 names no constant for it
 
 
 def _ensure_backend(exact: bool) -> None:
@@ -375,6 +379,14 @@ class ContextParams:
                                 # (kernels/prefill.py); its rows are not batch-invariant, so it never verifies
     n_outputs_max: int = 0      # most output rows in one decode (0: n_batch); its compute buffer holds that many
                                 # logits rows (Gemma 3: 1 MiB each), so a context that needs one says 1
+    type_k: str = "f16"         # the KV cache and flash attention (on | off | auto) of a context that is neither
+    type_v: str = "f16"         # exact (Q8_0 K, F16 V, on) nor kv_f16 (F16, on): llama.cpp's -ctk, -ctv, -fa
+    flash_attn: str = "auto"
+
+
+def _ggml_type(name: str) -> int:
+    """'q8_0' -> ggml's type id (kernels.params.KV_TYPES)."""
+    return GGML_TYPE_BF16 if name == "bf16" else getattr(L, f"GGML_TYPE_{name.upper()}")
 
 
 def _k_rot_block(n_embd_head_k: int) -> int:
@@ -418,10 +430,15 @@ class Context:
         cp.n_rs_seq = params.n_rs_seq
         cp.n_outputs_max = params.n_outputs_max
         cp.no_perf = False
+        custom_kv = not (model.exact or params.kv_f16) and (params.type_k, params.type_v) != ("f16", "f16")
         if model.exact or params.kv_f16:
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
             cp.type_k = L.GGML_TYPE_F16 if params.kv_f16 else L.GGML_TYPE_Q8_0
             cp.type_v = L.GGML_TYPE_F16
+        else:
+            cp.flash_attn_type = {"on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                                  "auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO}[params.flash_attn]
+            cp.type_k, cp.type_v = _ggml_type(params.type_k), _ggml_type(params.type_v)
         if params.mtp:
             if not model.load_mtp or model.n_layer_nextn <= 0:
                 # llama.cpp aborts the whole process in this case; refuse before calling it.
@@ -434,10 +451,19 @@ class Context:
         _last_error.clear()
         _kv_rot_said.clear()
         _kv_said.clear()
+        self.k_type = "f16" if params.kv_f16 else "q8_0" if model.exact else params.type_k
         self._ptr = L.llama_init_from_model(model.ptr, cp)
+        if not self._ptr and model.exact and not params.kv_f16 and any(_K_BLOCKS in e for e in _last_error):
+            # a head size that Q8_0's 32-value blocks do not divide (80: phi-2): BF16 K rows, which
+            # flash attention also reads row by row, and of another type than V's (no split-KV path)
+            _last_error.clear()
+            cp.type_k, self.k_type = GGML_TYPE_BF16, "bf16"
+            self._ptr = L.llama_init_from_model(model.ptr, cp)
         if not self._ptr:
+            kv = f", KV cache {params.type_k}/{params.type_v}" if custom_kv else ""
+            fix = "try a smaller -c, or -ctk f16 -ctv f16" if custom_kv else "try a smaller -c"
             raise LlamaError(f"{model.path}: llama.cpp could not create a context "
-                             f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}){_reason()}; try a smaller -c")
+                             f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}{kv}){_reason()}; {fix}")
         self.n_ctx = int(L.llama_n_ctx(self._ptr))
         # quantized KV caches store Hadamard-rotated K and V rows (llama-kv-cache.cpp: K in blocks of
         # the largest power of two >= 64 dividing the head size, V in blocks of 64); 0 = not rotated

@@ -79,6 +79,33 @@ class SpecParams:
     adaptive: bool = False     # each step's draft length from acceptance and pass cost (kernels/draftlen), 1..n_max
 
 
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")   # llama.cpp arg.cpp's kv_cache_types
+_KV_QUANTIZED = {"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"}
+
+
+@dataclass(frozen=True, slots=True)
+class KVParams:
+    """The target context's KV cache and attention with exact mode off: llama.cpp's -ctk, -ctv and
+    -fa (on | off | auto), with llama-server's defaults. Exact mode keeps its own (a Q8_0 K cache, an
+    F16 V cache, flash attention on: what makes verify rows equal one-token decodes)."""
+
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: str = "auto"
+
+    def check(self) -> None:
+        """SpecrunError for what llama.cpp refuses (llama_init_from_model returns NULL): a type it does
+        not know, or a quantized V cache with flash attention off."""
+        for flag, t in (("-ctk", self.type_k), ("-ctv", self.type_v)):
+            if t not in KV_TYPES:
+                raise SpecrunError(f"{flag} {t}: not a KV cache type; use one of {', '.join(KV_TYPES)}")
+        if self.flash_attn not in ("on", "off", "auto"):
+            raise SpecrunError(f"-fa {self.flash_attn}: use on, off or auto")
+        if self.type_v in _KV_QUANTIZED and self.flash_attn == "off":
+            raise SpecrunError(f"-ctv {self.type_v} with -fa off: llama.cpp keeps a quantized V cache only under "
+                               "flash attention; drop -fa off (auto turns it on) or use -ctv f16")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineParams:
     n_ctx: int = 4096
@@ -93,3 +120,8 @@ class EngineParams:
     draft_model: str | None = None     # -md: a draft GGUF (draft-simple), EAGLE-3 (draft-eagle3) or MTP heads (draft-mtp)
     exact_caveat: str | None = None    # why exact mode may not be bit-exact for these weights (stats line)
     placement: Placement | None = None  # --rpc: the target's layers on these workers (drafters stay local)
+    kv: KVParams = KVParams()          # --no-exact: the target's -ctk / -ctv / -fa (exact mode keeps its own)
+
+    def __post_init__(self) -> None:
+        if not self.exact:
+            self.kv.check()

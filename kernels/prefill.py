@@ -83,8 +83,10 @@ class FastPrefill:
     and in self.logits the logits of its last token.
     """
 
-    def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int]) -> None:
+    def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int],
+                 k_type: str = "q8_0") -> None:
         self.model, self.n_ctx_max, self.n_threads, self.rot = model, n_ctx_max, n_threads, rot
+        self.k_type = k_type                 # the exact context's K rows (Context.k_type)
         self.ctx: Context | None = None
         self.weights: Model | None = None    # the model its context runs: model.repacked(), or model
         self.tokens: list[int] = []          # the tokens whose blocks the fast context holds
@@ -168,4 +170,4 @@ class FastPrefill:
             return None
         self.ctx.decode(tail, len(head), "last")
         self.n_tail, self.logits = len(tail), self.ctx.logits_rows()[-1].copy()
-        return quantize_k(self.ctx.state_get(), self.rot)
+        return quantize_k(self.ctx.state_get(), self.rot, self.k_type)

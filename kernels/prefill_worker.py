@@ -101,8 +101,10 @@ class PrefillWorker:
     """FastPrefill's interface (state, logits, n_evaluated, kv_mib, weights_mib, forget, close),
     its work done by a child process; see the module docstring."""
 
-    def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int]) -> None:
+    def __init__(self, model: Model, n_ctx_max: int, n_threads: int, rot: tuple[int, int],
+                 k_type: str = "q8_0") -> None:
         self.model, self.n_ctx_max, self.n_threads, self.rot = model, n_ctx_max, n_threads, rot
+        self.k_type = k_type
         self.proc: subprocess.Popen | None = None
         self.local: FastPrefill | None = None      # set once the child is gone: the work stays here
         self.n_evaluated = 0
@@ -134,7 +136,7 @@ class PrefillWorker:
     def _start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != TILED_ENV}
         cmd = [sys.executable, "-m", __name__, self.model.path, str(self.n_ctx_max), str(self.n_threads),
-               str(self.rot[0]), str(self.rot[1])]
+               str(self.rot[0]), str(self.rot[1]), self.k_type]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         if not select.select([self.proc.stdout], [], [], START_TIMEOUT_S)[0]:
             raise _WorkerGone(f"it did not load the model within {START_TIMEOUT_S:.0f} s")
@@ -158,7 +160,7 @@ class PrefillWorker:
         why = f"{e}" + (f"; exit status {code}" if code is not None else "")
         log.warning("the fast prompt worker stopped (%s); fast prompts go on in this process", why)
         self._kill()
-        self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot)
+        self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot, self.k_type)
 
     def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | bytearray | None:
         """As FastPrefill.state."""
@@ -315,8 +317,9 @@ class PrefillHandle:
 
 
 def _child_main(argv: list[str]) -> int:
-    """`python -m specrun.kernels.prefill_worker MODEL N_CTX_MAX N_THREADS ROT_K ROT_V`."""
+    """`python -m specrun.kernels.prefill_worker MODEL N_CTX_MAX N_THREADS ROT_K ROT_V K_TYPE`."""
     path, n_ctx_max, n_threads, rot_k, rot_v = argv[0], *map(int, argv[1:5])
+    k_type = argv[5] if len(argv) > 5 else "q8_0"
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the parent's to handle
     rd, wr = os.fdopen(0, "rb", buffering=0), os.fdopen(1, "wb", buffering=0)
     sys.stdout = sys.stderr                  # nothing else may write into the protocol
@@ -326,7 +329,7 @@ def _child_main(argv: list[str]) -> int:
     except Exception as e:                   # noqa: BLE001 - reported to the parent, which goes on without us
         _send(wr, {"ok": False, "error": str(e)})
         return 1
-    fast = FastPrefill(model, n_ctx_max, n_threads, (rot_k, rot_v))
+    fast = FastPrefill(model, n_ctx_max, n_threads, (rot_k, rot_v), k_type)
     _send(wr, {"ok": True, "weights_mib": model.repacked_mib})
     current = 0
 

@@ -105,10 +105,12 @@ def make_gguf(tmp_path: Path):
 
 
 def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, strings: dict[str, str] | None = None,
-                 nan: str | None = None) -> Path:
+                 nan: str | None = None, tensors: dict[str, np.ndarray] | None = None) -> Path:
     """A copy of the GGUF src: metadata in kv ({key: (value, GGUFValueType)}) set, string keys in
     strings added (as convert_hf_to_gguf.py writes general.source.*), every value of tensor `nan`
-    (F32) made NaN (what a corrupt or overflowed file gives)."""
+    (F32) made NaN (what a corrupt or overflowed file gives), the data of the tensors named in
+    `tensors` replaced (raw: the same type and byte shape as the tensor's, e.g. gguf.quants.quantize)."""
+    tensors = tensors or {}
     kv = kv or {}
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
@@ -121,7 +123,7 @@ def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, strings: dict[
     for k, v in (strings or {}).items():
         w.add_string(k, v)
     for t in r.tensors:
-        data = np.full_like(t.data, np.nan) if t.name == nan else t.data
+        data = np.full_like(t.data, np.nan) if t.name == nan else tensors.get(t.name, t.data)
         w.add_tensor(t.name, data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()

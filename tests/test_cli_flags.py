@@ -102,12 +102,12 @@ def test_llamacpp_spellings_parse_and_unapplied_flags_say_why_in_one_line_each(t
     assert notes == [
         "-ngl 99: ignored; specrun runs every layer on the CPU (its kernels load models with n_gpu_layers 0)",
         "-ngld all: ignored; specrun runs the draft model on the CPU (its kernels load models with n_gpu_layers 0)",
-        "-fa off: exact mode keeps flash attention on, so that verify logits equal one-token decoding's; with "
-        "--no-exact llama.cpp chooses (auto): the kernels have no switch for it yet",
+        "-fa off: exact mode keeps flash attention on, so that verify logits equal one-token decoding's; it "
+        "applies with --no-exact",
         "-ctk f16: exact mode keeps a q8_0 K cache and an f16 V cache, so that one-token decodes never take "
-        "flash attention's split-KV path; with --no-exact both are llama.cpp's f16",
+        "flash attention's split-KV path; it applies with --no-exact",
         "-ctv q4_0: exact mode keeps a q8_0 K cache and an f16 V cache, so that one-token decodes never take "
-        "flash attention's split-KV path; with --no-exact both are llama.cpp's f16",
+        "flash attention's split-KV path; it applies with --no-exact",
         "-ub 256: not applied; the engine evaluates in llama.cpp's micro-batches of 512 tokens: it has no setting "
         "for it yet",
         "-tb 1: not applied; prompt processing uses -t's threads (2): the engine has no separate setting yet",
@@ -124,9 +124,8 @@ def base_kw(**kw) -> dict:
     (base_kw(flash_attn="on", cache_type_k="q8_0", cache_type_v="f16", gpu_layers="0", ubatch_size=512,
              mmap=True, load_mode="mmap", threads_batch=0), []),                        # what exact mode does anyway
     (base_kw(no_exact=True, flash_attn="auto", cache_type_k="f16", gpu_layers="auto"), []),  # llama.cpp's defaults
-    (base_kw(no_exact=True, flash_attn="off"), ["-fa off: not applied; with --no-exact llama.cpp chooses (auto)"]),
-    (base_kw(no_exact=True, cache_type_v="q8_0"), ["-ctv q8_0: not applied; with --no-exact the KV cache is "
-                                                   "llama.cpp's f16"]),
+    (base_kw(no_exact=True, flash_attn="off", cache_type_k="q4_0", cache_type_v="q8_0"), []),   # --no-exact applies them
+    (base_kw(flash_attn="off"), ["-fa off: exact mode keeps flash attention on"]),
     (base_kw(threads_batch=4, threads=4), []),
 ])
 def test_unapplied_is_silent_for_what_applies(kw, expected):

@@ -269,7 +269,7 @@ def test_a_state_that_cannot_be_handed_over_falls_back(engines, monkeypatch, cap
     want = _run(slow, prompt)[:2]
     e = Engine(fast.model.path, fast.params, model=fast.model)
     try:
-        def refuse(blob, rot):
+        def refuse(blob, rot, k_type):
             raise KVStateError("KV cells with extensions (M-RoPE)")
         monkeypatch.setattr("specrun.kernels.prefill.quantize_k", refuse)
         with caplog.at_level(logging.WARNING, logger="specrun.kernels.engine"):

@@ -23,7 +23,9 @@ from specrun.kernels import rpc
 from specrun.kernels.constrain import check_controls
 from specrun.kernels.grammar import GrammarError, check_grammar, schema_to_gbnf
 from specrun.kernels.params import (
+    KV_TYPES,
     EngineParams,
+    KVParams,
     NgramCacheParams,
     NgramMapParams,
     NgramModParams,
@@ -38,7 +40,6 @@ AUTO = ("auto",)     # what --spec-type auto parses to; resolved after loading (
 INFER = ("infer",)   # no --spec-type: loading.prepare() infers it from -md's file (llama.cpp's rule), else none
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"   # the registry model with a chat template
-KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # arg.cpp's kv_cache_types
 UBATCH_DEFAULT = 512
 MAX_THREADS = 512     # ggml.h GGML_MAX_N_THREADS: more crash the CPU backend (-t 100000: SIGSEGV)
 
@@ -114,11 +115,12 @@ def model_options(f=None, *, default: str = "gemma-3-270m"):
                   callback=_gpu_layers, default=None, metavar="N|auto|all",
                   help="draft model layers on the GPU (accepted; the CPU runs them)")
     @click.option("-fa", "--flash-attn", "flash_attn", callback=_on_off_auto, default=None, metavar="on|off|auto",
-                  help="flash attention (exact mode keeps it on; default auto)")
-    @click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_CACHE_TYPES), default=None,
-                  help="KV cache type for K (exact mode keeps q8_0; --no-exact: f16)")
-    @click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_CACHE_TYPES), default=None,
-                  help="KV cache type for V (f16; exact mode keeps it too)")
+                  help="flash attention with --no-exact (default auto; exact mode keeps it on)")
+    @click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_TYPES), default=None,
+                  help="KV cache type for K with --no-exact (default f16; exact mode keeps q8_0)")
+    @click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default=None,
+                  help="KV cache type for V with --no-exact (default f16; exact mode keeps f16; a quantized "
+                       "V cache needs flash attention)")
     @click.option("--mlock", "mlock", is_flag=True, help="accepted; the model is memory-mapped as by default")
     @click.option("--mmap/--no-mmap", "mmap", default=None, help="accepted; the model is memory-mapped")
     @click.option("-lm", "--load-mode", "load_mode", default=None,
@@ -332,22 +334,14 @@ def unapplied(kw: dict) -> list[str]:
         if v is not None and v not in ("0", "auto"):
             out.append(f"{flag} {v}: ignored; specrun runs {what} on the CPU (its kernels load models with "
                        "n_gpu_layers 0)")
-    fa = kw.get("flash_attn")
-    if fa == "off" and exact:
+    if kw.get("flash_attn") == "off" and exact:
         out.append("-fa off: exact mode keeps flash attention on, so that verify logits equal one-token "
-                   "decoding's; with --no-exact llama.cpp chooses (auto): the kernels have no switch for it yet")
-    elif fa in ("on", "off") and not exact:
-        out.append(f"-fa {fa}: not applied; with --no-exact llama.cpp chooses (auto): the kernels have no "
-                   "switch for it yet")
+                   "decoding's; it applies with --no-exact")
     for key, flag, kept in (("cache_type_k", "-ctk", "q8_0"), ("cache_type_v", "-ctv", "f16")):
         t = kw.get(key)
         if t is not None and exact and t != kept:
             out.append(f"{flag} {t}: exact mode keeps a q8_0 K cache and an f16 V cache, so that one-token "
-                       "decodes never take flash attention's split-KV path; with --no-exact both are "
-                       "llama.cpp's f16")
-        elif t is not None and not exact and t != "f16":
-            out.append(f"{flag} {t}: not applied; with --no-exact the KV cache is llama.cpp's f16: the kernels "
-                       "have no switch for it yet")
+                       "decodes never take flash attention's split-KV path; it applies with --no-exact")
     ub = kw.get("ubatch_size")
     if ub is not None and ub != UBATCH_DEFAULT:
         out.append(f"-ub {ub}: not applied; the engine evaluates in llama.cpp's micro-batches of {UBATCH_DEFAULT} "
@@ -376,7 +370,13 @@ def engine_params(kw: dict, spec: SpecParams | None = None) -> EngineParams:
         note(line)
     return EngineParams(n_ctx=kw["ctx_size"], n_batch=kw["batch_size"], n_threads=kw["threads"],
                         exact=not kw["no_exact"], fast_prefill=kw.get("fast_prefill", True), spec=spec,
-                        draft_model=kw["model_draft"], placement=rpc_placement(kw))
+                        draft_model=kw["model_draft"], placement=rpc_placement(kw), kv=kv_params(kw))
+
+
+def kv_params(kw: dict) -> KVParams:
+    """-ctk / -ctv / -fa as given, llama-server's defaults for the rest (they apply with --no-exact)."""
+    return KVParams(type_k=kw.get("cache_type_k") or "f16", type_v=kw.get("cache_type_v") or "f16",
+                    flash_attn=kw.get("flash_attn") or "auto")
 
 
 def rpc_placement(kw: dict) -> rpc.Placement | None:
