@@ -56,9 +56,10 @@ def export(engine, host, port, alias, **kw):
                            "it names on stderr (`spec auto: ...`)")
     if "draft-simple" in spec.types and not kw["model_draft"]:
         raise SpecrunError("--spec-type draft needs -md/--model-draft DRAFT.gguf (the draft model to export)")
+    kv = kv_params(kw)
+    kv.check()     # -ctk / -ctv / -fa go to llama-server as given, exact mode or not: what it would refuse
     path, params = prepare(kw["model"], EngineParams(n_ctx=kw["ctx_size"], n_threads=kw["threads"], spec=spec,
-                                                     draft_model=kw["model_draft"], exact=not kw["no_exact"],
-                                                     kv=kv_params(kw)))
+                                                     draft_model=kw["model_draft"], exact=not kw["no_exact"], kv=kv))
     model = weights(path)      # prepare checked the MTP heads draft-mtp reads, as run and serve
     draft = weights(params.draft_model) if params.draft_model else None
     name = alias or (kw["model"] if kw["model"] in KNOWN_MODELS else Path(path).stem)

@@ -153,6 +153,9 @@ class Engine:
                 n_threads=params.n_threads, n_rs_seq=self._rollback(spec), nextn="all" if self.mtp_enabled else None,
                 type_k=params.kv.type_k, type_v=params.kv.type_v, flash_attn=params.kv.flash_attn))
             self.n_ctx = self.ctx.n_ctx
+            # llama.cpp caps n_batch at the n_ctx asked for (-c 16: 16, in a context that holds 256):
+            # a verify pass is one batch, so no draft may be longer than n_batch - 1
+            self.n_max_cap = min(self.n_max_cap, self.ctx.n_batch - 1)
             self.kv_tokens: list[int] = []      # tokens held in the target KV at positions 0..n-1
             # prompts of MIN_PROMPT+ tokens: all of them through the fast prompt context (repacked
             # weights, F16 KV), handed over to the exact context; not for MTP (hidden rows) nor
@@ -160,7 +163,6 @@ class Engine:
             self.fast: FastPrefill | PrefillWorker | PrefillHandle | None = None
             if (params.exact and params.fast_prefill and not self.mtp_enabled
                     and params.placement is None      # over RPC the state copy would cross the network
-                    and "draft-eagle3" not in spec.types   # EAGLE-3 reads every position's rows too
                     and not self.model.recurrent):
                 # in a child process where the file has matrices llama.cpp's tiled kernel takes
                 worker = params.prefill_worker if params.prefill_worker is not None else uses_worker(self.model)
@@ -185,9 +187,6 @@ class Engine:
         if "draft-mtp" in spec.types and not self.mtp_enabled:
             raise SpecrunError("draft-mtp was not enabled when the model was loaded; restart with "
                                "--spec-type draft-mtp")
-        if "draft-eagle3" in spec.types and self.fast is not None:
-            raise SpecrunError("draft-eagle3 was not enabled when the model was loaded (the fast prompt path "
-                               "keeps no target rows); restart with --spec-type draft-eagle3")
         out = []
         for t in spec.types:
             key = drafter_key(t, spec)
@@ -592,19 +591,42 @@ class Engine:
         for d in drafters:
             keep = min(keep, d.begin(prompt, keep, opts))
         st.n_prompt = n - keep
+        fed = False
+        if fast and any(d.needs_hidden for d in drafters):
+            # EAGLE-3 reads the target's rows of every prompt position, which the fast context does
+            # not export: the exact context evaluates the whole prompt for the drafters (its rows
+            # from their keep on), then takes the fast context's state, so that the KV cache and the
+            # first token are plain decoding's (which takes the fast path without the drafter)
+            self.ctx.clear()
+            self.kv_tokens, self._restored, self._prompt_logits = [], 0, None
+
+            def feed(chunk: np.ndarray, pos0: int) -> bool:
+                if pos0 + len(chunk) > keep:
+                    skip = max(keep - pos0, 0)
+                    tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk), skip)
+                    for d in drafters:
+                        d.accept(tp)
+                return not cancel()
+
+            if not self.ctx.decode_chunks(prompt, 0, feed, chunk=self.ctx.n_ubatch):
+                self.ctx.clear()
+                return None
+            fed = True
         if fast:
             # this very prompt handed over before (its logits kept), or a hand-over now; never
             # roll a loaded state back below its last position (sliding-window layers keep only
             # the window below it)
-            if self._restored == n == held and self._prompt_logits is not None:
+            if self._restored == n == held and self._prompt_logits is not None and not fed:
                 self.ctx.keep_prefix(n, len(self.kv_tokens))
                 del self.kv_tokens[n:]
                 st.n_prompt = 0
             elif not self._hand_over(prompt, cancel, st):
                 return None
             else:
-                st.n_prompt = st.n_prompt_fast
+                st.n_prompt = n if fed else st.n_prompt_fast
             start = len(self.kv_tokens)     # n, or fast_len when the hand-over failed for good
+            if fed:                         # ...where the drafters have all of the prompt already
+                keep = start
             for s in range(keep, start, self.ctx.n_ubatch):   # the drafters follow without target rows
                 chunk = prompt[s:min(s + self.ctx.n_ubatch, start)]
                 for d in drafters:
@@ -619,9 +641,10 @@ class Engine:
         self._restored, self._prompt_logits = 0, None
 
         def on_chunk(chunk: np.ndarray, pos0: int) -> bool:
-            tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk))
-            for d in drafters:
-                d.accept(tp)
+            if not fed:                 # (fed: they had all of the prompt from the exact evaluation)
+                tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk))
+                for d in drafters:
+                    d.accept(tp)
             self.kv_tokens.extend(chunk.tolist())
             return not cancel()
 

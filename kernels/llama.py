@@ -461,7 +461,9 @@ class Context:
             self._ptr = L.llama_init_from_model(model.ptr, cp)
         if not self._ptr:
             kv = f", KV cache {params.type_k}/{params.type_v}" if custom_kv else ""
-            fix = "try a smaller -c, or -ctk f16 -ctv f16" if custom_kv else "try a smaller -c"
+            blocks = any("does not divide n_embd_head" in e for e in _last_error)
+            fix = ("use -ctk and -ctv f16, bf16 or f32 for this model's head size" if blocks
+                   else "try a smaller -c, or -ctk f16 -ctv f16" if custom_kv else "try a smaller -c")
             raise LlamaError(f"{model.path}: llama.cpp could not create a context "
                              f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}{kv}){_reason()}; {fix}")
         self.n_ctx = int(L.llama_n_ctx(self._ptr))

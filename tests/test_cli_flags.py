@@ -104,10 +104,12 @@ def test_llamacpp_spellings_parse_and_unapplied_flags_say_why_in_one_line_each(t
         "-ngld all: ignored; specrun runs the draft model on the CPU (its kernels load models with n_gpu_layers 0)",
         "-fa off: exact mode keeps flash attention on, so that verify logits equal one-token decoding's; it "
         "applies with --no-exact",
-        "-ctk f16: exact mode keeps a q8_0 K cache and an f16 V cache, so that one-token decodes never take "
-        "flash attention's split-KV path; it applies with --no-exact",
-        "-ctv q4_0: exact mode keeps a q8_0 K cache and an f16 V cache, so that one-token decodes never take "
-        "flash attention's split-KV path; it applies with --no-exact",
+        "-ctk f16: exact mode keeps a q8_0 K cache (bf16 where q8_0's blocks do not divide the head size) and an "
+        "f16 V cache, so that one-token decodes never take flash attention's split-KV path; it applies with "
+        "--no-exact",
+        "-ctv q4_0: exact mode keeps a q8_0 K cache (bf16 where q8_0's blocks do not divide the head size) and an "
+        "f16 V cache, so that one-token decodes never take flash attention's split-KV path; it applies with "
+        "--no-exact",
         "-ub 256: not applied; the engine evaluates in llama.cpp's micro-batches of 512 tokens: it has no setting "
         "for it yet",
         "-tb 1: not applied; prompt processing uses -t's threads (2): the engine has no separate setting yet",

@@ -159,7 +159,7 @@ def eagle3_engine(models, head: str) -> Engine:
 def test_draft_eagle3_equals_plain(models, plain, head):
     toks, ref = plain(head)
     with eagle3_engine(models, head) as e:
-        assert e.fast is None    # EAGLE-3 reads the target's rows of every prompt position
+        assert e.fast is not None    # long prompts: the fast path, as plain decoding's (rows from the exact context)
         for name, prompt in toks.items():
             for temp in (0.0, 0.8):
                 for n_max in (1, 3, 8):
@@ -188,6 +188,34 @@ def test_the_exact_head_holds_for_exact_modes_longest_chain(models, plain):
         got = [t for ts in gen for t in ts]
     assert gen.stats.n_accepted == gen.stats.n_drafted > 150
     assert got[:N_GEN] == ref[("long", 0.0)]
+
+
+@pytest.mark.slow
+def test_long_prompts_equal_plain_where_attention_counts(models, tmp_path):
+    """Prompts of 256+ tokens take the fast prompt path in plain decoding; with an EAGLE-3 draft
+    they used to be evaluated by the exact context alone, whose KV rows differ from the fast
+    context's: on a target whose attention counts (random attn_output, not the bigram's zeros) the
+    texts then differed. The draft now reads rows from an exact evaluation and the target takes the
+    fast state, as plain decoding does."""
+    from conftest import rewrite_gguf
+
+    t, d = models["exact"]
+    rng = np.random.default_rng(0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    attn = {f"blk.{il}.attn_output.weight":
+            gguf.quants.quantize(rng.normal(0, 3 / np.sqrt(256), (256, 256)).astype(np.float32), q8)
+            for il in range(TINY.n_layer)}
+    target = rewrite_gguf(t, tmp_path / "attn-target.gguf", tensors=attn)
+    prompt = np.random.default_rng(1).integers(0, 500, 300).astype(np.int32)
+    with Engine(str(target), PARAMS) as e:
+        assert e.fast is not None
+        ref = {temp: run(e, prompt, temp, SpecParams())[0] for temp in (0.0, 0.8)}
+    with Engine(str(target), replace(PARAMS, draft_model=str(d), spec=spec())) as e:
+        for temp in (0.0, 0.8):
+            got, st = run(e, prompt, temp, spec(4))
+            assert got == ref[temp] and st.n_prompt_fast > 0 and st.n_drafted > 0, temp
+        got, st = run(e, prompt, 0.0, spec(4))                      # the same prompt again
+        assert got == ref[0.0]
 
 
 @pytest.mark.slow

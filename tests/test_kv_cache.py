@@ -90,7 +90,8 @@ def test_no_exact_applies_ctk_ctv_and_fa(files):
             assert c.k_type == kv[0]
     assert sizes[("f16", "f16")] > sizes[("q8_0", "q8_0")] > sizes[("q4_0", "q4_0")] > 0
     with pytest.raises(LlamaError, match=r"KV cache q8_0/f16\); llama.cpp says: .*K cache type q8_0 with block "
-                                         r"size 32 does not divide n_embd_head_k=80; try a smaller -c, or -ctk f16"):
+                                         r"size 32 does not divide n_embd_head_k=80; use -ctk and -ctv f16, bf16 "
+                                         r"or f32 for this model's head size"):
         Context(Model(str(files["head80"]), exact=False), ContextParams(n_ctx=256, type_k="q8_0"))
 
 
@@ -103,14 +104,30 @@ def test_a_quantized_v_cache_without_flash_attention_is_refused_before_loading()
 
 
 @pytest.mark.slow
+def test_a_context_smaller_than_a_draft_caps_the_draft(files):
+    """-c 16: llama.cpp caps n_batch at 16 in a context that holds 256, and a verify pass is one batch;
+    an n-gram draft of up to 48 failed mid-output ('batch of 18 tokens exceeds n_batch 16')."""
+    for exact in (True, False):
+        with Engine(str(files["head64"]), EngineParams(n_ctx=16, n_threads=1, exact=exact)) as e:
+            assert e.n_max_cap == e.ctx.n_batch - 1 == 15
+            prompt = e.tokenize("ab ab ab ab ab ab")
+            sp = SpecParams(types=("ngram-simple",), ngram_size_n=1, ngram_size_m=48)
+            gen = e.generate(prompt, 200, SamplingParams(temp=0.0), spec=sp)
+            got = [t for ts in gen for t in ts]
+            plain = [t for ts in e.generate(prompt, 200, SamplingParams(temp=0.0)) for t in ts]
+            assert got == plain and gen.stats.n_drafted > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [["-p", "hello", "-n", "2"], ["export", "--to", "llama-server"]])
 def test_cli_refuses_a_quantized_v_cache_with_fa_off_in_one_line(files, cmd):
     args = [*cmd[:1], "-m", str(files["head64"]), *cmd[1:]] if cmd[0] == "export" else ["-m", str(files["head64"]), *cmd]
-    r = CliRunner().invoke(cli, [*args, "--no-exact", "-ctv", "q8_0", "-fa", "off", "-t", "1"])
-    assert r.exit_code == 1 and "Traceback" not in r.output
-    assert r.stderr.strip().splitlines()[-1] == ("Error: -ctv q8_0 with -fa off: llama.cpp keeps a quantized V cache "
-                                                 "only under flash attention; drop -fa off (auto turns it on) or use "
-                                                 "-ctv f16")
+    for mode in (["--no-exact"], [] if cmd[0] == "export" else ["--no-exact"]):   # export: the flags go to llama-server
+        r = CliRunner().invoke(cli, [*args, *mode, "-ctv", "q8_0", "-fa", "off", "-t", "1"])
+        assert r.exit_code == 1 and "Traceback" not in r.output
+        assert r.stderr.strip().splitlines()[-1] == ("Error: -ctv q8_0 with -fa off: llama.cpp keeps a quantized V "
+                                                     "cache only under flash attention; drop -fa off (auto turns it "
+                                                     "on) or use -ctv f16")
     r = CliRunner().invoke(cli, ["-m", str(files["head64"]), "-p", "hello", "-n", "2", "--no-exact", "-ctk", "q8_0",
                                  "-ctv", "q8_0", "-t", "1"])
     assert r.exit_code == 0 and "not applied" not in r.stderr, r.output

@@ -340,8 +340,9 @@ def unapplied(kw: dict) -> list[str]:
     for key, flag, kept in (("cache_type_k", "-ctk", "q8_0"), ("cache_type_v", "-ctv", "f16")):
         t = kw.get(key)
         if t is not None and exact and t != kept:
-            out.append(f"{flag} {t}: exact mode keeps a q8_0 K cache and an f16 V cache, so that one-token "
-                       "decodes never take flash attention's split-KV path; it applies with --no-exact")
+            out.append(f"{flag} {t}: exact mode keeps a q8_0 K cache (bf16 where q8_0's blocks do not divide "
+                       "the head size) and an f16 V cache, so that one-token decodes never take flash "
+                       "attention's split-KV path; it applies with --no-exact")
     ub = kw.get("ubatch_size")
     if ub is not None and ub != UBATCH_DEFAULT:
         out.append(f"-ub {ub}: not applied; the engine evaluates in llama.cpp's micro-batches of {UBATCH_DEFAULT} "

@@ -63,6 +63,11 @@ class StopScanner:
     def flush(self) -> str:
         return self._release(len(self.text))
 
+    def copy(self) -> StopScanner:
+        c = StopScanner(self.stops)
+        c.text, c.sent, c.hit = self.text, self.sent, self.hit
+        return c
+
     def _release(self, end: int) -> str:
         out = self.text[self.sent:end]
         self.sent = end
@@ -74,7 +79,9 @@ class Completion:
     """What one generation wrote.
 
     text:   all of it, up to a stop string (a held-back tail included when it was cut short)
-    tokens: as generated, up to and including an end-of-generation token; without a turn-stop token
+    tokens: as generated, up to and including an end-of-generation token or the token that completes
+            a stop string, as plain decoding stops there (a pass's accepted tokens after it are not
+            part of the output, nor of stats.n_gen); without a turn-stop token
     stop:   eog | n_predict | ctx (the engine's reasons) | word (a stop string) | turn (the model began
             a new turn: a control token of the template's turn separator) | interrupted
     """
@@ -100,6 +107,7 @@ class TextRun:
         self._stream = TextStream(model)
         self._scan = StopScanner(stops)
         self._tokens: list[int] = []
+        self._dropped = 0                # tokens a pass emitted after the stop (not in stats.n_gen)
         self._pieces = self._run()
 
     def __iter__(self) -> Iterator[str]:
@@ -118,12 +126,18 @@ class TextRun:
                 for j, t in enumerate(toks):
                     if t in self.stop_tokens and not self.model.is_eog(t):
                         n, stop = j, "turn"
+                        self._dropped = len(toks) - j - 1    # plain decoding stops at the turn token
                         break
+                before = (self._stream.dec.getstate(), self._scan.copy()) if n and self._scan.stops else None
                 self._tokens.extend(toks[:n])
                 if out := self._scan.push(self._stream.push(toks[:n])):
                     yield out
                 if self._scan.hit is not None:
                     stop = "word"
+                    if before is not None:      # the tokens after the one that completed the stop string
+                        k = _completing(self.model, toks[:n], *before)
+                        del self._tokens[len(self._tokens) - (n - k):]
+                        self._dropped = len(toks) - k
                 if stop:
                     break
                 if self.cancel is not None and self.cancel():
@@ -147,5 +161,18 @@ class TextRun:
         if self._scan.hit is None:       # cut short: the text held back still belongs to the answer
             self._scan.push(self._stream.flush())
         st = self.gen.stats
+        st.n_gen -= self._dropped        # set by the engine when the generation closed
         stop = stop or (st.stop if st.stop not in ("", "interrupted") else "interrupted")
         self.result = Completion(self._scan.text, self._tokens, stop, self._scan.hit or "", st)
+
+
+def _completing(model: Model, toks: list[int], dec_state: tuple, scan: StopScanner) -> int:
+    """How many of toks (pushed as one chunk, from the decoder state and scanner before it) it takes
+    to complete the stop string the chunk completed: pushed one at a time, as plain decoding does."""
+    stream = TextStream(model)
+    stream.dec.setstate(dec_state)
+    for k, t in enumerate(toks, 1):
+        scan.push(stream.push([t]))
+        if scan.hit is not None:
+            return k
+    return len(toks)

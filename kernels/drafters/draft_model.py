@@ -48,7 +48,7 @@ class DraftModel:
         self.opts = DraftOptions()
         # the target's rule for long prompts, so that a draft with the target's weights holds the
         # target's KV (and accepts everything at temperature 0) and a small one evaluates fast too
-        self.fast = (FastPrefill(self.model, target.n_ctx, target.n_threads, self.ctx.kv_rot)
+        self.fast = (FastPrefill(self.model, target.n_ctx, target.n_threads, self.ctx.kv_rot, self.ctx.k_type)
                      if target.fast_prefill and not self.model.recurrent else None)
         self._restored = 0                 # the prompt length a hand-over loaded into self.ctx; 0: none
         self._draft_at = -1                # position of the last draft's first token (-1: none pending)
