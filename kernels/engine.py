@@ -594,11 +594,12 @@ class Engine:
         fed = False
         if fast and any(d.needs_hidden for d in drafters):
             # EAGLE-3 reads the target's rows of every prompt position, which the fast context does
-            # not export: the exact context evaluates the whole prompt for the drafters (its rows
-            # from their keep on), then takes the fast context's state, so that the KV cache and the
-            # first token are plain decoding's (which takes the fast path without the drafter)
-            self.ctx.clear()
-            self.kv_tokens, self._restored, self._prompt_logits = [], 0, None
+            # not export: the exact context evaluates the prompt past what the drafters keep, for
+            # their rows (on top of the cache it holds: rows for drafting only), then takes the fast
+            # context's state, so that the KV cache and the first token are plain decoding's (which
+            # takes the fast path without the drafter)
+            start = self.ctx.keep_prefix(keep, len(self.kv_tokens))
+            self.kv_tokens, self._restored, self._prompt_logits = prompt[:start].tolist(), 0, None
 
             def feed(chunk: np.ndarray, pos0: int) -> bool:
                 if pos0 + len(chunk) > keep:
@@ -608,8 +609,9 @@ class Engine:
                         d.accept(tp)
                 return not cancel()
 
-            if not self.ctx.decode_chunks(prompt, 0, feed, chunk=self.ctx.n_ubatch):
+            if not self.ctx.decode_chunks(prompt[start:], start, feed, chunk=self.ctx.n_ubatch):
                 self.ctx.clear()
+                self.kv_tokens = []
                 return None
             fed = True
         if fast:
