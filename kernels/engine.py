@@ -591,7 +591,7 @@ class Engine:
         for d in drafters:
             keep = min(keep, d.begin(prompt, keep, opts))
         st.n_prompt = n - keep
-        fed = False
+        fed, n_exact = False, 0
         if fast and any(d.needs_hidden for d in drafters):
             # EAGLE-3 reads the target's rows of every prompt position, which the fast context does
             # not export: the exact context evaluates the prompt past what the drafters keep, for
@@ -613,7 +613,7 @@ class Engine:
                 self.ctx.clear()
                 self.kv_tokens = []
                 return None
-            fed = True
+            fed, n_exact = True, n - start
         if fast:
             # this very prompt handed over before (its logits kept), or a hand-over now; never
             # roll a loaded state back below its last position (sliding-window layers keep only
@@ -625,7 +625,7 @@ class Engine:
             elif not self._hand_over(prompt, cancel, st):
                 return None
             else:
-                st.n_prompt = n if fed else st.n_prompt_fast
+                st.n_prompt = max(n_exact, st.n_prompt_fast)   # positions one of the two contexts evaluated
             start = len(self.kv_tokens)     # n, or fast_len when the hand-over failed for good
             if fed:                         # ...where the drafters have all of the prompt already
                 keep = start

@@ -513,6 +513,9 @@ BAD = [
     ("/completion", {"prompt": "x", "n_probs": 5}, 400, "unsupported_parameter"),
     ("/completion", {"prompt": "x", "logprobs": 5}, 400, "unsupported_parameter"),      # llama-server: n_probs
     ("/completion", {"prompt": "x", "post_sampling_probs": True}, 400, "unsupported_parameter"),
+    ("/completion", {"prompt": "x", "speculative.n_max": 1}, 400, "unsupported_parameter"),   # llama-server ignores it
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "speculative.type": "none"}, 400,
+     "unsupported_parameter"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "post_sampling_probs": True}, 400, "unsupported_parameter"),
     # the logit controls: bad values are 400s naming the field and the fix
@@ -591,6 +594,9 @@ def test_bad_input_messages_say_what_is_wrong(server):
     m = msg("/v1/chat/completions", {"messages": [*one, {"role": "tool", "content": "1"}]})
     assert m.startswith("messages.1.role: not supported") and "'tool' messages" in m
     assert msg("/completion", {"prompt": "x", "n_probs": 2}).startswith("n_probs: not supported")
+    assert msg("/completion", {"prompt": "x", "speculative.n_max": 1, "speculative.type": "none"}) == (
+        'speculative.n_max: not supported by this server (per-request speculative settings are an object: '
+        '"speculative": {"n_max": ..., "type": ...}); leave speculative.n_max out')
     # logprobs false, tool_choice "none", response_format text and an empty tools list change nothing: accepted
     ok = server.post("/v1/chat/completions", {"messages": one, "max_tokens": 1, "logprobs": False, "tools": [],
                                               "tool_choice": "none", "response_format": {"type": "text"},

@@ -206,6 +206,19 @@ class _Controls(_Body):
             given.append(("response_format", inner.get("schema") or {"type": "object"}))
         return given
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flat_speculative(cls, data):
+        """llama-server's flat keys ("speculative.n_max": 1, which 0.3.36 compiles out and ignores): a
+        400 that shows the object form, rather than a setting silently not applied."""
+        if isinstance(data, dict):
+            flat = sorted(k for k in data if isinstance(k, str) and k.startswith("speculative."))
+            if flat:
+                inner = ", ".join(f'"{k.split(".", 1)[1]}": ...' for k in flat)
+                raise unsupported(flat[0], f'per-request speculative settings are an object: "speculative": {{{inner}}}',
+                                  named=True)
+        return data
+
     @model_validator(mode="after")
     def _one_grammar(self):
         given = self._grammars()
