@@ -591,7 +591,16 @@ class Engine:
         for d in drafters:
             keep = min(keep, d.begin(prompt, keep, opts))
         st.n_prompt = n - keep
-        fed, n_exact = False, 0
+        fed, n_exact = False, 0      # fed: the drafters have all of the prompt (from the exact context)
+
+        def on_chunk(chunk: np.ndarray, pos0: int) -> bool:
+            if not fed and pos0 + len(chunk) > keep:     # the drafters' rows from their keep on
+                tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk), max(keep - pos0, 0))
+                for d in drafters:
+                    d.accept(tp)
+            self.kv_tokens.extend(chunk.tolist())
+            return not cancel()
+
         if fast and any(d.needs_hidden for d in drafters):
             # EAGLE-3 reads the target's rows of every prompt position, which the fast context does
             # not export: the exact context evaluates the prompt past what the drafters keep, for
@@ -600,18 +609,7 @@ class Engine:
             # takes the fast path without the drafter)
             start = self.ctx.keep_prefix(keep, len(self.kv_tokens))
             self.kv_tokens, self._restored, self._prompt_logits = prompt[:start].tolist(), 0, None
-
-            def feed(chunk: np.ndarray, pos0: int) -> bool:
-                if pos0 + len(chunk) > keep:
-                    skip = max(keep - pos0, 0)
-                    tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk), skip)
-                    for d in drafters:
-                        d.accept(tp)
-                return not cancel()
-
-            if not self.ctx.decode_chunks(prompt[start:], start, feed, chunk=self.ctx.n_ubatch):
-                self.ctx.clear()
-                self.kv_tokens = []
+            if not self.ctx.decode_chunks(prompt[start:], start, on_chunk, chunk=self.ctx.n_ubatch):
                 return None
             fed, n_exact = True, n - start
         if fast:
@@ -641,14 +639,6 @@ class Engine:
             st.n_prompt = n - keep      # a hybrid model may have gone back further (a checkpoint, or 0)
             self.kv_tokens = prompt[:keep].tolist()
         self._restored, self._prompt_logits = 0, None
-
-        def on_chunk(chunk: np.ndarray, pos0: int) -> bool:
-            if not fed:                 # (fed: they had all of the prompt from the exact evaluation)
-                tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk))
-                for d in drafters:
-                    d.accept(tp)
-            self.kv_tokens.extend(chunk.tolist())
-            return not cancel()
 
         if self.model.recurrent and start < n - 1:
             # a hybrid model cannot roll back into a prompt: keep a checkpoint before its last token,
