@@ -94,8 +94,8 @@ def _head(ctx, param, value):
               help="instead: OUT is a llama target and DRAFT.gguf its EAGLE-3 draft (--head applies to the draft; "
                    "realistic = 24 layers, n_embd 512, n_ff 2048; tiny = 4, 256, 512; quants f32, f16, q8_0)")
 @click.option("--draft-quant", type=click.Choice(EAGLE3_QUANTS, case_sensitive=False), default=None,
-              help="with --eagle3: the draft's matrices (default: f16 beside a q8_0 target, whose exact head "
-                   "q8_0 rounding would make drift after ~15 chained steps; else as --quant)")
+              help="with --eagle3: the draft's matrices (default: f16 beside a q8_0 target, since a q8_0 draft's "
+                   "rounding makes the exact head drift after ~15 chained steps; else as --quant)")
 @click.option("--draft-vocab", type=click.IntRange(2), default=None,
               help="with --eagle3: the draft's own head covers this many tokens, mapped through d2t")
 @click.option("--check", is_flag=True, help="load the result with llama.cpp and print greedy MTP (or EAGLE-3) acceptance")

@@ -318,8 +318,7 @@ class PrefillHandle:
 
 def _child_main(argv: list[str]) -> int:
     """`python -m specrun.kernels.prefill_worker MODEL N_CTX_MAX N_THREADS ROT_K ROT_V K_TYPE`."""
-    path, n_ctx_max, n_threads, rot_k, rot_v = argv[0], *map(int, argv[1:5])
-    k_type = argv[5] if len(argv) > 5 else "q8_0"
+    path, (n_ctx_max, n_threads, rot_k, rot_v), k_type = argv[0], map(int, argv[1:5]), argv[5]
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the parent's to handle
     rd, wr = os.fdopen(0, "rb", buffering=0), os.fdopen(1, "wb", buffering=0)
     sys.stdout = sys.stderr                  # nothing else may write into the protocol
