@@ -39,7 +39,7 @@ from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_d
 from .draftlen import DraftLength, PassCost, curve_rows
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import NGRAM_TYPES, EngineParams, SpecParams
-from .prefill import FastPrefill, fast_len
+from .prefill import FastPrefill, RowsWanted, fast_len
 from .prefill_worker import PrefillHandle, PrefillWorker, SharedPrefill, uses_worker
 from .sampling import sample
 from .stats import DrafterStats, GenStats
@@ -591,41 +591,36 @@ class Engine:
         for d in drafters:
             keep = min(keep, d.begin(prompt, keep, opts))
         st.n_prompt = n - keep
-        fed, n_exact = False, 0      # fed: the drafters have all of the prompt (from the exact context)
 
         def on_chunk(chunk: np.ndarray, pos0: int) -> bool:
-            if not fed and pos0 + len(chunk) > keep:     # the drafters' rows from their keep on
+            if pos0 + len(chunk) > keep:     # the drafters' rows from their keep on
                 tp = self._target_pass(np.asarray(chunk, dtype=np.int32), pos0, len(chunk), max(keep - pos0, 0))
                 for d in drafters:
                     d.accept(tp)
             self.kv_tokens.extend(chunk.tolist())
             return not cancel()
 
+        rows = None        # EAGLE-3 reads the target's rows of every prompt position: the fast context's
         if fast and any(d.needs_hidden for d in drafters):
-            # EAGLE-3 reads the target's rows of every prompt position, which the fast context does
-            # not export: the exact context evaluates the prompt past what the drafters keep, for
-            # their rows (on top of the cache it holds: rows for drafting only), then takes the fast
-            # context's state, so that the KV cache and the first token are plain decoding's (which
-            # takes the fast path without the drafter)
-            start = self.ctx.keep_prefix(keep, len(self.kv_tokens))
-            self.kv_tokens, self._restored, self._prompt_logits = prompt[:start].tolist(), 0, None
-            if not self.ctx.decode_chunks(prompt[start:], start, on_chunk, chunk=self.ctx.n_ubatch):
-                return None
-            fed, n_exact = True, n - start
+            def on_rows(pos0: int, features: np.ndarray) -> None:
+                tp = TargetPass(prompt[pos0:pos0 + len(features)], pos0, len(features), None, features)
+                for d in drafters:
+                    d.accept(tp)
+            rows = RowsWanted(self.ctx.layer_inp, keep, on_rows)
         if fast:
-            # this very prompt handed over before (its logits kept), or a hand-over now; never
-            # roll a loaded state back below its last position (sliding-window layers keep only
-            # the window below it)
-            if self._restored == n == held and self._prompt_logits is not None and not fed:
+            # this very prompt handed over before (its logits kept; and no rows wanted past the
+            # drafters' keep), or a hand-over now; never roll a loaded state back below its last
+            # position (sliding-window layers keep only the window below it)
+            if self._restored == n == held and self._prompt_logits is not None and rows is None:
                 self.ctx.keep_prefix(n, len(self.kv_tokens))
                 del self.kv_tokens[n:]
                 st.n_prompt = 0
-            elif not self._hand_over(prompt, cancel, st):
+            elif not self._hand_over(prompt, cancel, st, rows):
                 return None
             else:
-                st.n_prompt = max(n_exact, st.n_prompt_fast)   # positions one of the two contexts evaluated
+                st.n_prompt = st.n_prompt_fast
             start = len(self.kv_tokens)     # n, or fast_len when the hand-over failed for good
-            if fed:                         # ...where the drafters have all of the prompt already
+            if rows is not None and start == n:   # the drafters have all of the prompt already
                 keep = start
             for s in range(keep, start, self.ctx.n_ubatch):   # the drafters follow without target rows
                 chunk = prompt[s:min(s + self.ctx.n_ubatch, start)]
@@ -652,15 +647,18 @@ class Engine:
             return None
         return self.ctx.logits_rows()[-1]
 
-    def _hand_over(self, prompt: np.ndarray, cancel: Callable[[], bool], st: GenStats) -> bool:
+    def _hand_over(self, prompt: np.ndarray, cancel: Callable[[], bool], st: GenStats,
+                   rows: RowsWanted | None = None) -> bool:
         """Load the exact context with the fast context's state for the whole prompt (fast_len
-        tokens in blocks, then the tail) and keep its last logits. False when cancel() stopped it.
+        tokens in blocks, then the tail) and keep its last logits; rows: the layer inputs the
+        drafters read, handed out by the fast context on the way. False when cancel() stopped it.
         A model whose state cannot be handed over turns the fast path off for good (one log line)
-        and the head is evaluated here like the rest."""
+        and the head is evaluated here like the rest (the drafters that read rows pause drafting
+        for this prompt)."""
         self.ctx.clear()
         self.kv_tokens, self._restored, self._prompt_logits = [], 0, None
         try:
-            state = self.fast.state(prompt, cancel)
+            state = self.fast.state(prompt, cancel, rows)
             if state is None:
                 return False
             self.ctx.state_set(state)

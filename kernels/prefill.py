@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -72,6 +73,20 @@ def fast_blocks(end: int) -> list[tuple[int, int]]:
         out.append((s, size))
         s += size
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class RowsWanted:
+    """The target rows an EAGLE-3 draft reads, asked of the fast context beside the state: the
+    inputs of `layers` (Context.export_layer_inputs, in that order) at prompt positions start..n-1,
+    handed to on_rows(pos0, rows) decode by decode in position order; rows float32
+    [m, len(layers) * n_embd] for positions pos0..pos0+m-1. The blocks before `start` may be reused;
+    the one holding it is evaluated again (its rows are a function of the tokens, as a fresh
+    evaluation's)."""
+
+    layers: tuple[int, ...]
+    start: int
+    on_rows: Callable[[int, np.ndarray], None]
 
 
 class FastPrefill:
@@ -130,13 +145,15 @@ class FastPrefill:
             self.ctx.close()
         self.ctx, self.tokens, self.blocks, self.n_tail, self.logits = None, [], [], 0, None
 
-    def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | None:
+    def state(self, prompt: np.ndarray, cancel: Callable[[], bool], rows: RowsWanted | None = None
+              ) -> bytes | None:
         """Evaluate prompt (int32 [n], n >= MIN_PROMPT): its head prompt[:fast_len(n)] as
         fast_blocks, reusing the leading blocks already held with the same bounds and tokens, then
         its tail (the last 1..MIN_BLOCK tokens; the last row's logits go to self.logits), and
-        return seq 0's state re-encoded for the exact context (K rows in Q8_0). None when cancel()
-        returned True between two decodes (the blocks done are kept). Raises KVStateError /
-        LlamaError when the hand-over cannot work for this model."""
+        return seq 0's state re-encoded for the exact context (K rows in Q8_0). rows: the layer
+        inputs to hand out on the way (RowsWanted). None when cancel() returned True between two
+        decodes (the blocks done are kept). Raises KVStateError / LlamaError when the hand-over
+        cannot work for this model."""
         need = len(prompt)
         head, tail = prompt[:fast_len(need)], prompt[fast_len(need):]
         assert len(head) and need < self.n_ctx_max, need
@@ -145,8 +162,12 @@ class FastPrefill:
             self.close()
             self.ctx = Context(self._weights(), ContextParams(n_ctx=n_ctx, n_batch=BLOCK, n_ubatch=BLOCK,
                                                          n_threads=self.n_threads, kv_f16=True, n_outputs_max=1))
+        if rows is not None and not set(rows.layers) <= set(self.ctx.layer_inp):
+            self.ctx.export_layer_inputs(rows.layers)
         blocks = fast_blocks(len(head))
         same = common_prefix(self.tokens, head)
+        if rows is not None:
+            same = min(same, rows.start)     # the blocks whose rows are wanted are evaluated again
         n_keep = 0                           # leading blocks held as a fresh evaluation makes them
         while (n_keep < min(len(blocks), len(self.blocks)) and self.blocks[n_keep] == blocks[n_keep]
                and sum(blocks[n_keep]) <= same):
@@ -166,8 +187,16 @@ class FastPrefill:
             self.ctx.decode(head[s:s + size], s, "none")
             self.tokens.extend(head[s:s + size].tolist())
             self.blocks.append((s, size))
+            self._hand_rows(rows, s, size)
         if len(head) > keep and cancel():
             return None
         self.ctx.decode(tail, len(head), "last")
         self.n_tail, self.logits = len(tail), self.ctx.logits_rows()[-1].copy()
+        self._hand_rows(rows, len(head), len(tail))
         return quantize_k(self.ctx.state_get(), self.rot, self.k_type)
+
+    def _hand_rows(self, rows: RowsWanted | None, pos0: int, n: int) -> None:
+        """The last decode's (positions pos0..pos0+n-1) wanted rows to rows.on_rows."""
+        if rows is not None and pos0 + n > rows.start:
+            skip = max(rows.start - pos0, 0)
+            rows.on_rows(pos0 + skip, self.ctx.layer_rows(rows.layers)[skip:])

@@ -12,11 +12,14 @@ removed from its environment: the same block rules, the same re-encoding (kvstat
 only the kernels differ, and only in the prompt's KV (a function of the tokens, as before).
 
 Protocol over the child's stdin / stdout: frames of a u32 length, a JSON header, then the payload
-the header sizes. Parent -> child: {"op": "state", "id", "n"} + int32 [n] tokens; {"op": "cancel",
-"id"} (polled by the child between blocks; one for an older request is ignored); {"op": "forget"};
-{"op": "exit"}. Child -> parent: {"ok": true, "weights_mib"} once loaded; per state request
-{"ok": true, "cancelled": true}, or {"ok": true, "state": S, "logits": V, "n_evaluated", "kv_mib"}
-+ S bytes + float32 [V], or {"ok": false, "error", "kv_state"}. The child's stderr is the parent's.
+the header sizes. Parent -> child: {"op": "state", "id", "n", "layers", "rows_from"} + int32 [n]
+tokens (layers: [] unless rows are wanted, prefill.RowsWanted); {"op": "cancel", "id"} (polled by
+the child between blocks; one for an older request is ignored); {"op": "forget"}; {"op": "exit"}.
+Child -> parent: {"ok": true, "weights_mib"} once loaded; per state request first, when layers
+were given, {"ok": true, "rows": pos0, "n": m, "width": w} + float32 [m, w] after each decode,
+then {"ok": true, "cancelled": true}, or {"ok": true, "state": S, "logits": V, "n_evaluated",
+"kv_mib"} + S bytes + float32 [V], or {"ok": false, "error", "kv_state"}. The child's stderr is
+the parent's.
 
 If the child cannot start or dies (a signal, memory), one warning, and the same FastPrefill runs in
 this process from then on (without the tiled kernel): the prompt in flight is evaluated again here.
@@ -40,7 +43,7 @@ import numpy as np
 
 from .kvstate import KVStateError
 from .llama import LlamaError, Model
-from .prefill import FastPrefill
+from .prefill import FastPrefill, RowsWanted
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +165,14 @@ class PrefillWorker:
         self._kill()
         self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot, self.k_type)
 
-    def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | bytearray | None:
+    def state(self, prompt: np.ndarray, cancel: Callable[[], bool], rows: RowsWanted | None = None
+              ) -> bytes | bytearray | None:
         """As FastPrefill.state."""
         if self.local is None:
             try:
                 if self.proc is None:
                     self._start()
-                return self._remote(np.ascontiguousarray(prompt, dtype=np.int32), cancel)
+                return self._remote(np.ascontiguousarray(prompt, dtype=np.int32), cancel, rows)
             except (KVStateError, LlamaError):
                 raise                # the worker's answer, read whole: the pipe is in step
             except (_WorkerGone, OSError, ValueError) as e:
@@ -178,24 +182,34 @@ class PrefillWorker:
                 # or come in part, so the pipe is out of step; the next prompt starts another worker
                 self._kill()
                 raise
-        got = self.local.state(prompt, cancel)
+        got = self.local.state(prompt, cancel, rows)
         self.n_evaluated, self.kv_mib, self.weights_mib = self.local.n_evaluated, self.local.kv_mib, self.local.weights_mib
         self.logits = self.local.logits
         return got
 
-    def _remote(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytearray | None:
+    def _remote(self, prompt: np.ndarray, cancel: Callable[[], bool], rows: RowsWanted | None
+                ) -> bytearray | None:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         self._id += 1
         self.logits = None
-        _send(self.proc.stdin, {"op": "state", "id": self._id, "n": len(prompt)}, prompt.tobytes())
+        _send(self.proc.stdin, {"op": "state", "id": self._id, "n": len(prompt),
+                                "layers": list(rows.layers) if rows else [], "rows_from": rows.start if rows else 0},
+              prompt.tobytes())
         asked = False
-        while not select.select([self.proc.stdout], [], [], POLL_S)[0]:
-            if self.proc.poll() is not None:
-                raise _WorkerGone("it exited")
-            if not asked and cancel():
-                _send(self.proc.stdin, {"op": "cancel", "id": self._id})
-                asked = True
-        hdr = _recv_header(self.proc.stdout)
+        while True:
+            while not select.select([self.proc.stdout], [], [], POLL_S)[0]:
+                if self.proc.poll() is not None:
+                    raise _WorkerGone("it exited")
+                if not asked and cancel():
+                    _send(self.proc.stdin, {"op": "cancel", "id": self._id})
+                    asked = True
+            hdr = _recv_header(self.proc.stdout)
+            if "rows" not in hdr:
+                break
+            n, width = int(hdr["n"]), int(hdr["width"])
+            got = np.frombuffer(_read_exact(self.proc.stdout, 4 * n * width), dtype=np.float32).reshape(n, width)
+            if rows is not None:
+                rows.on_rows(int(hdr["rows"]), got)
         if not hdr.get("ok"):
             raise (KVStateError if hdr.get("kv_state") else LlamaError)(hdr.get("error", "the worker failed"))
         if hdr.get("cancelled"):
@@ -283,7 +297,8 @@ class PrefillHandle:
     def pid(self) -> int | None:
         return self.worker.pid
 
-    def state(self, prompt: np.ndarray, cancel: Callable[[], bool]) -> bytes | bytearray | None:
+    def state(self, prompt: np.ndarray, cancel: Callable[[], bool], rows: RowsWanted | None = None
+              ) -> bytes | bytearray | None:
         """As FastPrefill.state, after the other slots' prompts."""
         w = self.worker                          # (raises once this share is closed)
         lock = self.shared.lock
@@ -291,7 +306,7 @@ class PrefillHandle:
             if cancel():
                 return None
         try:
-            got = w.state(prompt, cancel)
+            got = w.state(prompt, cancel, rows)
             self.logits = None if got is None or w.logits is None else w.logits.copy()
             self.n_evaluated, self.kv_mib, self.weights_mib, self.process_mib = (
                 w.n_evaluated, w.kv_mib, w.weights_mib, w.process_mib)
@@ -352,8 +367,15 @@ def _child_main(argv: list[str]) -> int:
         elif op == "state":
             current = int(hdr["id"])
             prompt = np.frombuffer(_read_exact(rd, 4 * int(hdr["n"])), dtype=np.int32)
+            layers = tuple(int(x) for x in hdr.get("layers") or ())
+
+            def send_rows(pos0: int, got: np.ndarray) -> None:
+                got = np.ascontiguousarray(got, dtype=np.float32)
+                _send(wr, {"ok": True, "rows": pos0, "n": got.shape[0], "width": got.shape[1]}, got.tobytes())
+
+            want = RowsWanted(layers, int(hdr.get("rows_from", 0)), send_rows) if layers else None
             try:
-                state = fast.state(prompt, cancelled)
+                state = fast.state(prompt, cancelled, want)
             except (KVStateError, LlamaError) as e:
                 _send(wr, {"ok": False, "error": str(e), "kv_state": isinstance(e, KVStateError)})
                 continue

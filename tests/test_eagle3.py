@@ -31,6 +31,8 @@ from specrun.kernels.drafters import DraftEagle3
 from specrun.kernels.drafters.draft_eagle3 import FOLD_ROWS
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.prefill import fast_len
+from specrun.kernels.prefill_worker import PrefillWorker
 from specrun.kernels.types import SamplingParams
 
 N_GEN = 40
@@ -159,7 +161,7 @@ def eagle3_engine(models, head: str) -> Engine:
 def test_draft_eagle3_equals_plain(models, plain, head):
     toks, ref = plain(head)
     with eagle3_engine(models, head) as e:
-        assert e.fast is not None    # long prompts: the fast path, as plain decoding's (rows from the exact context)
+        assert e.fast is not None    # long prompts: the fast path, as plain decoding's (rows from it too)
         for name, prompt in toks.items():
             for temp in (0.0, 0.8):
                 for n_max in (1, 3, 8):
@@ -195,8 +197,8 @@ def test_long_prompts_equal_plain_where_attention_counts(models, tmp_path):
     """Prompts of 256+ tokens take the fast prompt path in plain decoding; with an EAGLE-3 draft
     they used to be evaluated by the exact context alone, whose KV rows differ from the fast
     context's: on a target whose attention counts (random attn_output, not the bigram's zeros) the
-    texts then differed. The draft now reads rows from an exact evaluation and the target takes the
-    fast state, as plain decoding does."""
+    texts then differed. The target now takes the fast state, as plain decoding does (and the
+    draft its rows from the fast context)."""
     from conftest import rewrite_gguf
 
     t, d = models["exact"]
@@ -216,6 +218,41 @@ def test_long_prompts_equal_plain_where_attention_counts(models, tmp_path):
             assert got == ref[temp] and st.n_prompt_fast > 0 and st.n_drafted > 0, temp
         got, st = run(e, prompt, 0.0, spec(4))                      # the same prompt again: reused
         assert got == ref[0.0] and st.n_prompt < 300 == st.n_prompt_total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker", [False, True])
+def test_long_prompts_are_evaluated_once(models, plain, worker):
+    """The fast context, in this process or in the prompt worker, hands the draft its rows of a
+    256+-token prompt while it evaluates it (the exact context evaluated the prompt a second time
+    for them): the exact context decodes none of it, the exact head accepts every greedy draft
+    after it, and the text is plain decoding's. The same prompt again evaluates only its tail.
+    With the worker shared by a second engine, whose draft has seen nothing while the worker
+    holds the prompt's blocks, the blocks are evaluated again for its rows."""
+    toks, ref = plain("exact")
+    t, d = models["exact"]
+    params = replace(PARAMS, draft_model=str(d), spec=spec(), prefill_worker=worker)
+
+    def once(e: Engine) -> tuple[list[int], int]:
+        fed = []
+        decode_chunks = e.ctx.decode_chunks
+        e.ctx.decode_chunks = lambda tokens, *a, **k: fed.append(len(tokens)) or decode_chunks(tokens, *a, **k)
+        try:
+            got, st = run(e, toks["long"], 0.0, spec(8))
+        finally:
+            del e.ctx.decode_chunks
+        assert got == ref[("long", 0.0)] and sum(fed) == 0, fed
+        assert st.n_accepted == st.n_drafted > 0 and st.n_prompt == st.n_prompt_fast
+        return got, st.n_prompt
+
+    with Engine(str(t), params) as e:
+        assert isinstance(e.fast, PrefillWorker) == worker
+        n = len(toks["long"])
+        assert once(e)[1] == n
+        assert once(e)[1] == n - fast_len(n)              # the tail again, for the draft's last row
+        if worker:
+            with Engine(str(t), params, prefill=e.share_prefill()) as e2:
+                assert once(e2)[1] == n
 
 
 @pytest.mark.slow
