@@ -91,12 +91,15 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
               help="largest request body in bytes (more: 413)")
 @click.option("--body-timeout", "body_timeout", type=click.FloatRange(0, min_open=True), default=BODY_TIMEOUT_S,
               show_default=True, help="seconds a request body may take to arrive (then: 408)")
+@click.option("--slots/--no-slots", "slots_endpoint", default=True, show_default=True,
+              help="GET /slots: each slot's request in flight or last one, with its prompt, text so far and "
+                   "settings (as llama-server's; --no-slots hides them from the clients)")
 @handle_errors
 def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout, max_body, body_timeout,
-          **kw):
+          slots_endpoint, **kw):
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /completion, /tokenize,
-    /detokenize, /props, /v1/models, /health, /metrics (OpenAPI schema at /openapi.json). -n caps
-    each request's tokens."""
+    /detokenize, /props, /slots, /v1/models, /health, /metrics (OpenAPI schema at /openapi.json).
+    -n caps each request's tokens."""
     import uvicorn
 
     from .server.middleware import Gate
@@ -123,7 +126,7 @@ def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, dr
         options = dict(parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias, sampling=sampling,
                        chat_template=chat_template, chat_template_file=chat_template_file,
                        drain_timeout=drain_timeout, max_body=max_body, body_timeout=body_timeout,
-                       prefill_assistant=prefill_assistant)
+                       prefill_assistant=prefill_assistant, slots_endpoint=slots_endpoint)
         loader = _Loader(kw, params, options, url, gate, server)
         err_console.print(f"specrun serve: loading {kw['model']} on {url}", markup=False, soft_wrap=True)
         loader.start()
@@ -211,7 +214,7 @@ class _Loader(threading.Thread):
                                   spec_types=tuple(spec_types), max_queue=opt["max_queue"], api_key=opt["api_key"],
                                   chat_format=fmt, no_template_reason=reason, max_body=opt["max_body"],
                                   body_timeout=opt["body_timeout"], drain_timeout=opt["drain_timeout"],
-                                  prefill_assistant=opt["prefill_assistant"])
+                                  prefill_assistant=opt["prefill_assistant"], slots_endpoint=opt["slots_endpoint"])
             state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
             app = create_app(state)
         except BaseException:

@@ -387,7 +387,7 @@ class Engine:
             text_c = (ctypes.c_int32 * (self.n_ctx + 1))()
             text, n_text = np.ctypeslib.as_array(text_c), len(prompt) + 1
             text[:n_text - 1], text[n_text - 1] = prompt, id_last
-            n_emitted = 1
+            n_emitted = st.n_gen = 1         # n_gen follows the tokens as they go (a server's /slots reads it)
             if self.model.is_eog(id_last) or limit == 1:
                 st.stop = "eog" if self.model.is_eog(id_last) else "n_predict"
             yield [id_last]
@@ -435,6 +435,7 @@ class Engine:
                 if cons is not None:
                     cons.accept(out)
                 n_emitted += len(out)
+                st.n_gen = n_emitted
                 yield out
         except GeneratorExit:
             st.stop = st.stop or "interrupted"

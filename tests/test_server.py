@@ -215,6 +215,51 @@ def test_tokenize_detokenize_and_props_as_llama_server(server):
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
 
 
+def test_slots_show_each_slots_request_in_flight_and_last(server, tmp_path):
+    """GET /slots as llama-server's: per slot its request in flight or last one, with the prompt,
+    the text so far, its progress and settings; ?fail_on_no_slot=1 is a 503 while every slot is
+    busy; --no-slots turns it off (501)."""
+    prompt = "Slots test: the capital of France is"
+    done = server.completion(prompt, 12, seed=7)
+    slots = server.http.get("/slots").json()
+    assert [s["id"] for s in slots] == [0, 1] and all(s["n_ctx"] == 512 for s in slots)
+    s = slots[done["id_slot"]]
+    assert s["is_processing"] is False and s["speculative"] is False
+    assert s["prompt"].endswith(prompt) and s["generated"] == done["content"]
+    assert s["n_prompt_tokens"] == done["tokens_evaluated"]
+    assert s["n_prompt_tokens_cache"] == done["tokens_cached"]
+    assert s["n_prompt_tokens_processed"] == done["tokens_evaluated"] - done["tokens_cached"]
+    assert s["next_token"] == [{"has_next_token": False, "has_new_line": "\n" in done["content"],
+                                "n_remain": 12 - done["tokens_predicted"], "n_decoded": done["tokens_predicted"]}]
+    assert s["params"] == {**done["generation_settings"], "stream": False}
+    assert isinstance(s["id_task"], int)
+
+    # two requests at once: both slots busy, seen in flight with their text so far
+    seen, busy_503 = [], []
+    threads = [threading.Thread(target=server.completion, args=(f"{i}: Count to a hundred:", 64),
+                                kwargs={"ignore_eos": True}) for i in range(2)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        r = server.http.get("/slots", params={"fail_on_no_slot": "1"})
+        if r.status_code == 503:
+            busy_503.append(r.json()["error"]["message"])
+        else:
+            seen += [x for x in r.json() if x["is_processing"] and x["generated"]]
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert busy_503 and "no slot available" in busy_503[0]
+    assert seen and all(0 < x["next_token"][0]["n_decoded"] and x["next_token"][0]["has_next_token"] for x in seen), seen
+    assert server.http.get("/slots", params={"fail_on_no_slot": "1"}).status_code == 200     # idle again
+    off = ServerProcess(tmp_path, "-m", MODEL, "-c", "256", "-n", "4", "--no-slots")
+    try:
+        r = off.http.get("/slots")
+        assert r.status_code == 501 and "--no-slots" in r.json()["error"]["message"], r.text
+    finally:
+        off.kill()
+
+
 def test_openai_chat_stream_equals_non_stream(server):
     c = server.client()
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]

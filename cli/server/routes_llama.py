@@ -1,6 +1,7 @@
 """llama-server's own endpoints: POST /completion, with `tokens`, `timings` and the settings used
 (stream: server-sent events without `[DONE]`, as llama-server); POST /tokenize and /detokenize;
-GET /props (the settings a client reads: context size, slots, defaults, chat template)."""
+GET /props (the settings a client reads: context size, slots, defaults, chat template); GET /slots
+(each slot's request in flight or last one, its progress and settings; --no-slots turns it off)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, Request
 
 from .errors import ApiError
-from .schemas import DetokenizeRequest, LlamaCompletion, LlamaCompletionRequest, TokenizeRequest
-from .slots import Outcome
+from .schemas import (
+    DetokenizeRequest,
+    ErrorResponse,
+    LlamaCompletion,
+    LlamaCompletionRequest,
+    TokenizeRequest,
+)
+from .slots import Outcome, Slot
 from .state import Client, ServerState
 from .streaming import stream
 from .views import sse_doc
@@ -25,23 +32,12 @@ def llama_router(state: ServerState) -> APIRouter:
     async def completion(req: LlamaCompletionRequest, request: Request):
         job = await state.job("/completion", req, req.n_predict, req.stop, lambda: state.tokens(req.prompt))
 
-        def settings() -> dict:
-            s, sp = job.sampling, job.spec or cfg.spec
-            return {"n_predict": job.n_predict, "temperature": s.temp, "top_k": s.top_k, "top_p": s.top_p,
-                    "min_p": s.min_p, "seed": s.seed, "stop": list(job.stop), "repeat_penalty": s.repeat_penalty,
-                    "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
-                    "frequency_penalty": s.frequency_penalty, "ignore_eos": s.ignore_eos,
-                    "logit_bias": [[t, b if b > float("-inf") else False] for t, b in s.logit_bias],
-                    "grammar": s.grammar or "",
-                    "speculative": {"type": list(sp.types) or ["none"], "n_max": sp.n_max, "n_min": sp.n_min,
-                                    "p_min": sp.p_min}}
-
         def final(o: Outcome, content: str) -> dict:
             return {"content": content, "tokens": o.tokens, "id_slot": run.slot.id, "stop": True, "model": cfg.alias,
                     "tokens_predicted": len(o.tokens), "tokens_evaluated": len(job.prompt),
                     "stop_type": "none" if o.stop_type == "interrupted" else o.stop_type,
                     "stopping_word": o.stopping_word, "tokens_cached": o.n_cached, "truncated": False,
-                    "generation_settings": settings(), "timings": state.timings(o)}
+                    "generation_settings": state.settings(run.job), "timings": state.timings(o)}
 
         async with Client(request) as client:
             run = await state.start(job, client)
@@ -87,8 +83,7 @@ def llama_router(state: ServerState) -> APIRouter:
         if bad:
             raise ApiError(400, f"tokens: token id {bad[0]} is out of the vocabulary (0..{model.n_vocab - 1})",
                            "invalid_value")
-        text = b"".join(model.piece(t, special=True) for t in req.tokens).decode("utf-8", errors="replace")
-        return {"content": text}
+        return {"content": state.detokenize(req.tokens)}
 
     def props() -> dict:
         s, sp, fmt = cfg.sampling, cfg.spec, cfg.chat_format
@@ -113,5 +108,36 @@ def llama_router(state: ServerState) -> APIRouter:
     @router.get("/props", summary="the server's settings (llama-server's)")
     async def get_props():
         return props()
+
+    def slot_view(slot: Slot) -> dict:
+        run = slot.last
+        out = {"id": slot.id, "n_ctx": state.n_ctx, "is_processing": slot.busy,
+               "speculative": bool((run.job.spec if run and run.job.spec else cfg.spec).types)}
+        if run is None:
+            return out
+        job, st, text = run.job, run.stats, "".join(run.text)
+        o = run.result if isinstance(run.result, Outcome) else None
+        n_gen = len(o.tokens) if o is not None else st.n_gen if st is not None else 0
+        n_new = st.n_prompt if st is not None and (st.n_gen or o is not None) else 0   # known once the prompt is in
+        out.update({"id_task": run.id_task, "n_prompt_tokens": len(job.prompt),
+                    "n_prompt_tokens_processed": n_new,
+                    "n_prompt_tokens_cache": len(job.prompt) - n_new if n_new else 0,
+                    "params": state.settings(job),
+                    "next_token": [{"has_next_token": run.result is None, "has_new_line": "\n" in text,
+                                    "n_remain": max(job.n_predict - n_gen, 0) if job.n_predict >= 0 else -1,
+                                    "n_decoded": n_gen}],
+                    "prompt": state.detokenize(job.prompt), "generated": text})
+        return out
+
+    @router.get("/slots", summary="each slot's state: the request in flight or the last one (llama-server's)",
+                responses={501: {"model": ErrorResponse, "description": "started with --no-slots"},
+                           503: {"model": ErrorResponse, "description": "?fail_on_no_slot=1 and every slot busy"}})
+    async def slots(fail_on_no_slot: str = ""):
+        if not cfg.slots_endpoint:
+            raise ApiError(501, "this server does not serve /slots; start it without --no-slots",
+                           "not_supported_error")
+        if fail_on_no_slot and state.pool.n_busy == len(state.pool.slots):
+            raise ApiError(503, "no slot available: every slot is processing a request", "unavailable_error")
+        return [slot_view(s) for s in state.pool.slots]
 
     return router

@@ -82,13 +82,16 @@ class Outcome:
         return {"eos": "stop", "word": "stop", "limit": "length"}.get(self.stop_type)
 
 
-def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: threading.Event) -> Outcome:
+def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: threading.Event,
+             started: Callable[[GenStats], None] = lambda stats: None) -> Outcome:
     """Run one job on one engine (in the slot's thread); emit(text) as it is decided. cancel stops
-    it between two prompt chunks or two target passes (stop_type "interrupted")."""
+    it between two prompt chunks or two target passes (stop_type "interrupted"). started(stats):
+    the generation's live statistics, once it has begun."""
     if not job.cache_prompt:
         engine.reset()
     gen = engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec, cancel=cancel.is_set,
                           logprobs=job.logprobs)
+    started(gen.stats)
     run = TextRun(gen, engine.model, stops=job.stop, stop_tokens=job.stop_tokens, cancel=cancel.is_set)
     try:
         for piece in run:
@@ -133,6 +136,7 @@ class Slot:
     id: int
     engine: Engine
     busy: bool = False
+    last: Run | None = None      # the run in flight, or the last one (GET /slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +174,12 @@ class Run:
     (or raises the engine's exception); cancel(reason) stops it between two chunks or passes. `ended` is done
     once the slot is given back; `stopped_by` says who cancelled it ("client" | "shutdown")."""
 
-    def __init__(self, pool: SlotPool, slot: Slot, job: Job) -> None:
+    def __init__(self, pool: SlotPool, slot: Slot, job: Job, id_task: int = 0) -> None:
         self.slot = slot
         self.job = job
+        self.id_task = id_task
+        self.text: list[str] = []              # the pieces so far (GET /slots' "generated")
+        self.stats: GenStats | None = None     # the generation's live statistics, once it has begun
         self.stopped_by: str | None = None
         self.result: Outcome | Exception | None = None
         self.ended: asyncio.Future = pool.loop.create_future()
@@ -193,9 +200,15 @@ class Run:
     def _work(self) -> None:
         result: Outcome | Exception
         pieces = Pieces(lambda s: self._post(self._queue.put_nowait, s))
+
+        def emit(piece: str) -> None:
+            self.text.append(piece)
+            if self.job.stream:
+                pieces(piece)
+
         try:
-            result = generate(self.slot.engine, self.job, pieces if self.job.stream else lambda s: None,
-                              self._cancel)
+            result = generate(self.slot.engine, self.job, emit, self._cancel,
+                              lambda stats: setattr(self, "stats", stats))
             pieces.flush()
             self._pool.on_outcome(self.job, result)
         except Exception as e:  # handed to the request's task, which answers with it
@@ -267,6 +280,7 @@ class SlotPool:
         self.closing = False
         self._waiters: deque[asyncio.Future] = deque()
         self._runs: set[Run] = set()
+        self.n_tasks = 0                     # runs started (their id_task)
         self.lost: Exception | None = None   # an RPC worker lost (worker_lost): nothing more runs
 
     # -- an RPC worker lost ----------------------------------------------------------------------
@@ -300,7 +314,9 @@ class SlotPool:
         caller while it waits gives its place in the queue up."""
         self.loop = asyncio.get_running_loop()
         slot = await self._acquire(job.prompt)
-        run = Run(self, slot, job)
+        run = Run(self, slot, job, self.n_tasks)
+        self.n_tasks += 1
+        slot.last = run
         self._runs.add(run)
         return run
 

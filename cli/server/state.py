@@ -48,6 +48,7 @@ class ServerConfig:
     body_timeout: float = BODY_TIMEOUT_S      # seconds for a request body to arrive; then a 408
     drain_timeout: float = DRAIN_TIMEOUT_S    # seconds the runs in flight get to finish on SIGTERM
     prefill_assistant: bool = True            # a final assistant message is continued (llama-server's default)
+    slots_endpoint: bool = True               # GET /slots (--no-slots: 501)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +241,22 @@ class ServerState:
             self.metrics.preparing(-1)
         return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs,
                    cache_prompt=getattr(req, "cache_prompt", True), stream=bool(getattr(req, "stream", False)))
+
+    def settings(self, job: Job) -> dict:
+        """The settings a job runs with, as llama-server's generation_settings (/completion, /slots)."""
+        s, sp = job.sampling, job.spec or self.config.spec
+        return {"n_predict": job.n_predict, "temperature": s.temp, "top_k": s.top_k, "top_p": s.top_p,
+                "min_p": s.min_p, "seed": s.seed, "stop": list(job.stop), "repeat_penalty": s.repeat_penalty,
+                "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
+                "frequency_penalty": s.frequency_penalty, "ignore_eos": s.ignore_eos,
+                "logit_bias": [[t, b if b > float("-inf") else False] for t, b in s.logit_bias],
+                "grammar": s.grammar or "", "stream": job.stream,
+                "speculative": {"type": list(sp.types) or ["none"], "n_max": sp.n_max, "n_min": sp.n_min,
+                                "p_min": sp.p_min}}
+
+    def detokenize(self, tokens) -> str:
+        """Token ids -> text, special tokens written out (llama-server's /detokenize)."""
+        return b"".join(self.model.piece(int(t), special=True) for t in tokens).decode("utf-8", errors="replace")
 
     # -- running -----------------------------------------------------------------------------
     async def start(self, job: Job, client: Client) -> Run:
