@@ -19,6 +19,7 @@ class Source:
     hf_key: str | None       # the metadata key hf_repo came from
     has_mtp: bool            # {arch}.nextn_predict_layers > 0
     known_as: str | None     # "general.organization 'HuggingFaceTB', general.name 'Smollm2 135M'": a hint
+    k_head: int | None = None  # a K row's head size as llama.cpp reads it (n_embd_head_k); None: unknown
 
 
 def source(path: str | os.PathLike) -> Source:
@@ -26,7 +27,24 @@ def source(path: str | os.PathLike) -> Source:
     r = open_gguf(path)
     repo, key = _hf_source(r)
     names = [f"{k} '{v}'" for k in (Keys.General.ORGANIZATION, Keys.General.NAME) if (v := _string(r, k)) is not None]
-    return Source(repo, key, read_layout(r).nextn_layers > 0, ", ".join(names) or None)
+    layout = read_layout(r)
+    return Source(repo, key, layout.nextn_layers > 0, ", ".join(names) or None, _k_head(r, layout.arch))
+
+
+def _k_head(r: BoundedReader, arch: str) -> int | None:
+    """llama.cpp's n_embd_head_k: {arch}.attention.key_length, else n_embd / n_head (Gemma 3 270M:
+    256, where 640 / 4 would say 160)."""
+    def scalar(key: str) -> int | None:
+        f = r.fields.get(key.format(arch=arch))
+        if f is None or len(f.types) != 1 or f.types[0] == GGUFValueType.STRING:
+            return None
+        v = f.contents()
+        return int(v) if isinstance(v, (int, float)) and v > 0 else None
+
+    if (k := scalar(Keys.Attention.KEY_LENGTH)) is not None:
+        return k
+    n_embd, n_head = scalar(Keys.LLM.EMBEDDING_LENGTH), scalar(Keys.Attention.HEAD_COUNT)
+    return n_embd // n_head if n_embd and n_head and n_embd % n_head == 0 else None
 
 
 def hf_source(path: str | os.PathLike) -> tuple[str | None, str | None]:

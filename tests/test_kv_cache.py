@@ -15,7 +15,9 @@ from click.testing import CliRunner
 from conftest import rewrite_gguf
 
 from specrun.cli.main import cli
+from specrun.cli.runtime.export import head_k_type
 from specrun.gguf_spec.errors import SpecrunError
+from specrun.gguf_spec.source import source
 from specrun.gguf_spec.testmodel_eagle3 import TINY, write_eagle3_pair
 from specrun.kernels.engine import Engine
 from specrun.kernels.exactness import check_exact
@@ -131,3 +133,13 @@ def test_cli_refuses_a_quantized_v_cache_with_fa_off_in_one_line(files, cmd):
     r = CliRunner().invoke(cli, ["-m", str(files["head64"]), "-p", "hello", "-n", "2", "--no-exact", "-ctk", "q8_0",
                                  "-ctv", "q8_0", "-t", "1"])
     assert r.exit_code == 0 and "not applied" not in r.stderr, r.output
+
+
+def test_export_names_the_k_type_exact_mode_keeps_for_the_head_size(files):
+    """export's exact-mode line gives llama-server the K type exact mode keeps: -ctk q8_0 for heads
+    of 64, -ctk bf16 for heads of 80 (llama-server would refuse q8_0 there)."""
+    assert [head_k_type(k) for k in (None, 64, 80, 128, 256)] == ["q8_0", "q8_0", "bf16", "q8_0", "q8_0"]
+    for name, k in (("head64", "q8_0"), ("head80", "bf16")):
+        assert source(files[name]).k_head == int(name[4:])
+        r = CliRunner().invoke(cli, ["export", "--to", "llama-server", "-m", str(files[name])])
+        assert r.exit_code == 0 and f"-nr -ctk {k} give it exact mode's" in " ".join(r.stderr.split()), r.output

@@ -54,6 +54,7 @@ class Weights:
     hf_key: str | None       # the metadata key hf_repo came from
     has_mtp: bool            # {arch}.nextn_predict_layers > 0 (gguf_spec.read_layout)
     known_as: str | None = None   # "general.organization 'HuggingFaceTB', general.name 'Smollm2 135M'": a hint
+    k_head: int | None = None     # K's head size (llama.cpp's n_embd_head_k); None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,13 @@ class Export:
 def weights(path: str | os.PathLike) -> Weights:
     """A resolved GGUF's Weights (metadata only: gguf_spec.source)."""
     src = source(path)
-    return Weights(Path(os.path.abspath(path)), src.hf_repo, src.hf_key, src.has_mtp, src.known_as)
+    return Weights(Path(os.path.abspath(path)), src.hf_repo, src.hf_key, src.has_mtp, src.known_as, src.k_head)
+
+
+def head_k_type(k_head: int | None) -> str:
+    """The K cache type exact mode keeps for a head size: q8_0, or bf16 where Q8_0's 32-value blocks
+    do not divide it (80, as phi-2's)."""
+    return "bf16" if k_head is not None and k_head % 32 else "q8_0"
 
 
 def export_command(plan: Plan) -> Export:
@@ -147,8 +154,11 @@ def _llama_server(p: Plan) -> Export:
         notes.append("--spec-verify rejection: not exported; llama-server verifies by matching the sampled token "
                      "(specrun's `match`), which is lossless too")
     if p.exact:
+        # exact mode's K rows: Q8_0, or BF16 where Q8_0's 32-value blocks do not divide the head size
+        # (kernels/llama.py), which llama-server would refuse as -ctk q8_0
+        k = head_k_type(p.model.k_head)
         notes.append("exact mode: not exported; llama-server has none (its verify batches may differ from one-token "
-                     "decoding); GGML_CPU_TILED_MM=0 in its environment and -nr -ctk q8_0 give it exact mode's kernels "
+                     f"decoding); GGML_CPU_TILED_MM=0 in its environment and -nr -ctk {k} give it exact mode's kernels "
                      "and KV types (--no-exact: this line goes)")
     return Export(tuple(argv), tuple(notes))
 
