@@ -12,7 +12,7 @@ from rich.table import Table
 
 from .runtime.console import err_console, handle_errors, setup_logging
 from .runtime.loading import main_model
-from .runtime.options import MAX_THREADS
+from .runtime.options import MAX_THREADS, kv_options, kv_params
 
 _TEXT = ("Speculative decoding drafts several tokens cheaply and verifies them with the main model in "
          "one batched pass. The accepted text must be exactly what the model alone would write, so the "
@@ -36,15 +36,24 @@ def context_prompt(model, n_tokens: int) -> np.ndarray:
               help="tokens already in the KV cache before the checked rows, comma-separated")
 @click.option("-t", "--threads", type=click.IntRange(0, MAX_THREADS), default=0)
 @click.option("--no-exact", is_flag=True, help="check llama.cpp's default (fastest) kernels instead")
+@kv_options
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-v", "--verbose", is_flag=True)
 @handle_errors
-def check_exact(model, n_max, contexts, threads, no_exact, as_json, verbose):
+def check_exact(model, n_max, contexts, threads, no_exact, as_json, verbose, **kw):
     """Is a position's logits row identical alone and inside a verify batch? (exit 1 if not)"""
     from specrun.kernels.exactness import check_exact as run_check
     from specrun.kernels.llama import Model
 
     setup_logging(verbose)
+    given = [f"{flag} {kw[k]}" for k, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
+                                               ("flash_attn", "-fa")) if kw[k] is not None]
+    if given and not no_exact:
+        raise click.UsageError(f"{' '.join(given)}: exact mode checks its own KV cache (q8_0 K, or bf16 where "
+                               "q8_0's blocks do not divide the head size; f16 V; flash attention on); add "
+                               "--no-exact to check this one")
+    kv = kv_params(kw)
+    kv.check()
     try:
         n_maxes = [int(x) for x in n_max.split(",")]
         ctxs = [int(x) for x in contexts.split(",")]
@@ -69,15 +78,18 @@ def check_exact(model, n_max, contexts, threads, no_exact, as_json, verbose):
             prompt = context_prompt(m, c)
             for k in n_maxes:
                 with err_console.status(f"context {c}, n-max {k}"):
-                    r = run_check(m, prompt, k + 1, n_threads=threads)
+                    r = run_check(m, prompt, k + 1, n_threads=threads, kv=kv)
                 rows.append({"context": r.n_context, "n_max": k, "rows": r.n_rows, "identical": r.n_identical,
                              "max_abs_diff": r.max_abs_diff, "argmax_flips": r.n_argmax_flips, "exact": r.exact})
     ok = all(r["exact"] for r in rows)
     if as_json:
-        json.dump({"model": str(path), "exact_mode": not no_exact, "bit_identical": ok, "checks": rows}, sys.stdout)
+        json.dump({"model": str(path), "exact_mode": not no_exact, "bit_identical": ok, "checks": rows,
+                   **({} if not no_exact else {"kv": {"type_k": kv.type_k, "type_v": kv.type_v,
+                                                      "flash_attn": kv.flash_attn}})}, sys.stdout)
         sys.stdout.write("\n")
     else:
-        t = Table(title=f"{path.name}: verify rows vs one-token decoding ({'exact' if not no_exact else 'default'} kernels)")
+        kernels = "exact" if not no_exact else f"default kernels, KV {kv.type_k}/{kv.type_v}, -fa {kv.flash_attn}"
+        t = Table(title=f"{path.name}: verify rows vs one-token decoding ({kernels})")
         for col in ("context", "n-max", "rows identical", "max |Δlogit|", "argmax flips"):
             t.add_column(col, justify="right")
         for r in rows:

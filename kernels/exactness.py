@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .llama import Context, ContextParams, Model
+from .params import KVParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +29,15 @@ class ExactReport:
         return self.n_identical == self.n_rows
 
 
-def check_exact(model: Model, prompt: np.ndarray, n_rows: int, *, n_threads: int = 0) -> ExactReport:
+def check_exact(model: Model, prompt: np.ndarray, n_rows: int, *, n_threads: int = 0,
+                kv: KVParams | None = None) -> ExactReport:
     """Compare plain one-token decoding with one n_rows-row batch after `prompt` (int32 [n]).
-    The rows' tokens are the plain greedy continuation, as in a fully accepted draft."""
+    The rows' tokens are the plain greedy continuation, as in a fully accepted draft. kv: the KV
+    cache and attention of a model loaded with exact=False (an exact model keeps its own)."""
     n_ctx = len(prompt) + n_rows + 8
-    params = ContextParams(n_ctx=n_ctx, n_batch=max(512, n_rows), n_threads=n_threads, n_rs_seq=n_rows)
+    kv = kv or KVParams()
+    params = ContextParams(n_ctx=n_ctx, n_batch=max(512, n_rows), n_threads=n_threads, n_rs_seq=n_rows,
+                           type_k=kv.type_k, type_v=kv.type_v, flash_attn=kv.flash_attn)
     with Context(model, params) as plain, Context(model, params) as batched:
         for ctx in (plain, batched):
             ctx.decode_chunks(prompt, 0)

@@ -4,6 +4,7 @@ hand-over re-encodes its F16 K rows to BF16 then)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -143,3 +144,22 @@ def test_export_names_the_k_type_exact_mode_keeps_for_the_head_size(files):
         assert source(files[name]).k_head == int(name[4:])
         r = CliRunner().invoke(cli, ["export", "--to", "llama-server", "-m", str(files[name])])
         assert r.exit_code == 0 and f"-nr -ctk {k} give it exact mode's" in " ".join(r.stderr.split()), r.output
+
+
+@pytest.mark.slow
+def test_check_exact_checks_the_kv_cache_given_with_no_exact(files):
+    """check-exact --no-exact takes -ctk/-ctv/-fa (it checked an f16 cache only): past 256 tokens,
+    on the model whose attention counts, BF16 K rows beside F16 V rows keep flash attention off its
+    split-KV path (bit-identical, as exact mode's), the default all-F16 cache does not; exact mode
+    refuses them in one line."""
+    def check(*args: str) -> dict:
+        r = CliRunner().invoke(cli, ["check-exact", "-m", str(files["head80"]), "--n-max", "3", "--context", "300",
+                                     "-t", "2", "--json", *args])
+        assert r.exit_code in (0, 1) and "Traceback" not in r.output, r.output
+        return json.loads(r.stdout)
+
+    bf = check("--no-exact", "-ctk", "bf16")
+    assert bf["bit_identical"] and bf["kv"] == {"type_k": "bf16", "type_v": "f16", "flash_attn": "auto"}
+    assert not check("--no-exact")["bit_identical"]
+    r = CliRunner().invoke(cli, ["check-exact", "-m", str(files["head80"]), "-ctk", "q4_0"])
+    assert r.exit_code == 2 and "add --no-exact to check this one" in r.stderr and "Traceback" not in r.output

@@ -89,6 +89,18 @@ def _seed(ctx, param, value):
     return value
 
 
+def kv_options(f):
+    """-fa, -ctk, -ctv: the KV cache and attention, applied with --no-exact (kv_params)."""
+    f = click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default=None,
+                     help="KV cache type for V with --no-exact (default f16; exact mode keeps f16; a quantized "
+                          "V cache needs flash attention)")(f)
+    f = click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_TYPES), default=None,
+                     help="KV cache type for K with --no-exact (default f16; exact mode keeps q8_0)")(f)
+    return click.option("-fa", "--flash-attn", "flash_attn", callback=_on_off_auto, default=None,
+                        metavar="on|off|auto", help="flash attention with --no-exact (default auto; exact mode "
+                                                    "keeps it on)")(f)
+
+
 def model_options(f=None, *, default: str = "gemma-3-270m"):
     """The model and context flags; @model_options, or @model_options(default=NAME) for a command
     whose -m defaults to another model (chat: DEFAULT_CHAT_MODEL)."""
@@ -114,13 +126,7 @@ def model_options(f=None, *, default: str = "gemma-3-270m"):
     @click.option("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft", "gpu_layers_draft",
                   callback=_gpu_layers, default=None, metavar="N|auto|all",
                   help="draft model layers on the GPU (accepted; the CPU runs them)")
-    @click.option("-fa", "--flash-attn", "flash_attn", callback=_on_off_auto, default=None, metavar="on|off|auto",
-                  help="flash attention with --no-exact (default auto; exact mode keeps it on)")
-    @click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_TYPES), default=None,
-                  help="KV cache type for K with --no-exact (default f16; exact mode keeps q8_0)")
-    @click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default=None,
-                  help="KV cache type for V with --no-exact (default f16; exact mode keeps f16; a quantized "
-                       "V cache needs flash attention)")
+    @kv_options
     @click.option("--mlock", "mlock", is_flag=True, help="accepted; the model is memory-mapped as by default")
     @click.option("--mmap/--no-mmap", "mmap", default=None, help="accepted; the model is memory-mapped")
     @click.option("-lm", "--load-mode", "load_mode", default=None,
