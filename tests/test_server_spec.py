@@ -70,6 +70,20 @@ def test_logprobs_are_the_same_with_and_without_speculation(ngram_server):
     assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == x.logprob for x in ca)
 
 
+def test_text_offsets_index_the_text_where_characters_split_over_tokens(ngram_server):
+    """text_offset counts characters of the completion text: a character SmolLM2 writes as two
+    byte-fallback tokens (東 = e6 9d | b1) counts once, at its start (it counted once per piece)."""
+    jp = "東京は日本の首都です。"
+    r = ngram_server.client().completions.create(model=MODEL, prompt=f"Repeat exactly:\n{jp}\n{jp}\n", max_tokens=16,
+                                                  temperature=0, logprobs=1).choices[0]
+    text, toks, offs = r.text, r.logprobs.tokens, r.logprobs.text_offset
+    assert "\ufffd" in "".join(toks) and "\ufffd" not in text     # characters split over tokens, whole in the text
+    assert offs == sorted(offs) and offs[0] == 0 and all(o < len(text) for o in offs)
+    for tok, off in zip(toks, offs, strict=True):
+        if "\ufffd" not in tok:
+            assert text[off:off + len(tok)] == tok, (tok, off)
+
+
 def test_logprobs_cover_the_text_a_stop_string_cut(ngram_server):
     """With a stop string, logprobs hold the tokens that begin inside the returned text, as
     llama-server drops the stop word's: one cut at a token boundary, one inside a token (which

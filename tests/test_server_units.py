@@ -23,7 +23,7 @@ from specrun.cli.server.limits import TemplateTimeout, time_limited
 from specrun.cli.server.metrics import Metrics
 from specrun.cli.server.middleware import Gate, Guard
 from specrun.cli.server.slots import STREAM_EVERY_S, Busy, Job, Outcome, Pieces, Run, ShuttingDown, SlotPool
-from specrun.cli.server.state import ServerState
+from specrun.cli.server.state import ServerState, text_offsets
 from specrun.kernels.chat_template import ChatTemplate
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams
@@ -436,3 +436,12 @@ def test_streamed_pieces_go_out_at_once_then_at_most_every_interval_and_none_is_
     p.flush()                              # the run's end: what is held goes out
     p.flush()                              # nothing held: nothing sent
     assert sent == ["Once", " upon a time", ","]
+
+
+def test_text_offsets_count_characters_not_pieces():
+    """A character split over byte-fallback pieces counts once, at its start; an invalid byte as
+    the U+FFFD the text shows."""
+    assert text_offsets([b"a", b"\xe6\x9d", b"\xb1", b"b"]) == [0, 1, 1, 2]          # a東b
+    assert text_offsets([b"\xe9", b"\xa6", b"\x96", b"x"]) == [0, 0, 0, 1]            # 首x
+    assert text_offsets([b"\xff", b"ab", b"\xf0\x9f", b"\x98\x80", b"!"]) == [0, 1, 3, 3, 4]   # ?ab😀!
+    assert text_offsets([]) == []

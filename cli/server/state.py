@@ -4,6 +4,7 @@ request to a running job (validate, prepare the prompt off the event loop, take 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import time
 from collections.abc import Callable
@@ -349,9 +350,9 @@ class ServerState:
             return None
         lps = self._logprob_tokens(o)
         tokens = [self._text(t.token) for t in lps]
-        offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
-                "top_logprobs": [{self._text(i): lp for i, lp in t.top} for t in lps], "text_offset": offsets}
+                "top_logprobs": [{self._text(i): lp for i, lp in t.top} for t in lps],
+                "text_offset": text_offsets([self.model.piece(t.token) for t in lps])}
 
     def chat_logprobs(self, o: Outcome) -> dict | None:
         """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
@@ -368,6 +369,17 @@ class ServerState:
     def usage(job: Job, o: Outcome) -> dict:
         return {"prompt_tokens": len(job.prompt), "completion_tokens": len(o.tokens),
                 "total_tokens": len(job.prompt) + len(o.tokens)}
+
+
+def text_offsets(pieces: list[bytes]) -> list[int]:
+    """Each token's offset in the text the pieces decode to, in characters: a token that begins
+    inside a character (byte-fallback pieces of one character) is at that character's start.
+    [b"a", b"\xe6\x9d", b"\xb1", b"b"] ("a東b") -> [0, 1, 1, 2]."""
+    dec, out, n = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0
+    for p in pieces:
+        out.append(n)
+        n += len(dec.decode(p))        # the characters complete so far (a split one is held back)
+    return out
 
 
 class Client:
