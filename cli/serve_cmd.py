@@ -97,9 +97,9 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
 @handle_errors
 def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout, max_body, body_timeout,
           slots_endpoint, **kw):
-    """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /completion, /tokenize,
-    /detokenize, /props, /slots, /v1/models, /health, /metrics (OpenAPI schema at /openapi.json).
-    -n caps each request's tokens."""
+    """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/messages (Anthropic),
+    /completion, /tokenize, /detokenize, /apply-template, /props, /slots, /v1/models, /health,
+    /metrics (OpenAPI schema at /openapi.json). -n caps each request's tokens."""
     import uvicorn
 
     from .server.middleware import Gate

@@ -2,13 +2,19 @@
 
     POST /v1/completions         OpenAI text completion (stream: SSE ending with `data: [DONE]`)
     POST /v1/chat/completions    OpenAI chat completion, through the model's chat template
-    POST /completion             llama-server's completion, with its `timings`
+    POST /v1/messages            Anthropic's Messages API (stream: named SSE events), and
+                                 /v1/messages/count_tokens
+    POST /completion             llama-server's completion, with its `timings` (also /completions)
+    POST /tokenize, /detokenize, /apply-template, /v1/chat/completions/input_tokens
+    GET  /props, /slots          llama-server's settings and per-slot state
     GET  /v1/models[/{id}]       the one model served, and the spec types a request may name
     GET  /health, /v1/health     {"status": "ok", ...} (never needs the API key; HEAD too)
     GET  /metrics                Prometheus text: requests, tokens, drafts, acceptance by position
     GET  /openapi.json, /docs    the schema of all of the above
+(and llama-server's aliases without /v1: /chat/completions, /models).
 
-Every error is OpenAI's shape, {"error": {"message", "type", "code"}}, with a 4xx status for
+Every error is OpenAI's shape, {"error": {"message", "type", "code"}} (under /v1/messages
+Anthropic's, {"type": "error", "error": {"type", "message"}}), with a 4xx status for
 anything the request got wrong (malformed JSON and wrong types included: 400, not FastAPI's 422),
 401 without the API key, 413 for a body above --max-body, 408 for one slower than --body-timeout,
 503 with Retry-After when every slot is busy and the queue is full, 503 `loading` / `shutting_down`.
@@ -28,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import ApiError, ClientGone, validation_message
 from .middleware import OPEN_PATHS, Guard
+from .routes_anthropic import anthropic_router
 from .routes_llama import llama_router
 from .routes_openai import openai_router
 from .routes_service import service_router
@@ -43,6 +50,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(Guard, state=state)
     _error_handlers(app)
     app.include_router(openai_router(state))
+    app.include_router(anthropic_router(state))
     app.include_router(llama_router(state))
     app.include_router(service_router(state))
     app.openapi = lambda: _openapi(app, bool(state.config.api_key))
@@ -52,22 +60,26 @@ def create_app(state: ServerState) -> FastAPI:
 def _error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape (an exception the app lets out is Guard's: a JSON 500)."""
 
+    def answer(request: Request, e: ApiError):
+        return e.response(request.url.path)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return exc.response()
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, code = validation_message(exc)
-        return ApiError(400, message, code).response()
+        return answer(request, ApiError(400, message, code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if isinstance(exc.__cause__, RecursionError):   # FastAPI's "error parsing the body" from json.loads
-            return ApiError(400, "the request body is not valid JSON here: it nests deeper than the JSON parser "
-                                 f"allows (about {sys.getrecursionlimit()} levels); send a flatter object", "invalid_json").response()
+            return answer(request, ApiError(400, "the request body is not valid JSON here: it nests deeper than the "
+                                                 f"JSON parser allows (about {sys.getrecursionlimit()} levels); send "
+                                                 "a flatter object", "invalid_json"))
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return ApiError(exc.status_code, msg, str(exc.detail).lower().replace(" ", "_"), exc.headers).response()
+        return answer(request, ApiError(exc.status_code, msg, str(exc.detail).lower().replace(" ", "_"), exc.headers))
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone):

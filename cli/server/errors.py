@@ -1,9 +1,12 @@
-"""Errors of `specrun serve`, all in OpenAI's shape: {"error": {"message", "type", "code"}}."""
+"""Errors of `specrun serve`, in OpenAI's shape: {"error": {"message", "type", "code"}}; under
+/v1/messages in Anthropic's: {"type": "error", "error": {"type", "message"}}."""
 
 from __future__ import annotations
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+ANTHROPIC_PATH = "/v1/messages"    # its errors (and /v1/messages/count_tokens') are in Anthropic's shape
 
 # pydantic error types (schemas.py) whose name is the error code answered
 _OWN_CODES = ("unencodable_text", "unsupported_parameter")
@@ -20,12 +23,25 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers
 
+    # Anthropic's error types (https://docs.anthropic.com/en/api/errors)
+    ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                       404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                       503: "overloaded_error"}
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """The error in Anthropic's shape (/v1/messages): {"type": "error", "error": {"type", "message"}}."""
+        return {"type": "error", "error": {"type": self.ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message, "code": self.code}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer to a request for path (Anthropic's shape under ANTHROPIC_PATH)."""
+        anthropic = path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status,
+                            headers=self.headers)
 
 
 class ClientGone(Exception):

@@ -26,12 +26,13 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CLOSE = (b"connection", b"close")
 
 
-async def _answer(err: ApiError, send, close: bool = False) -> None:
-    """Send err as the response (headers and all), optionally closing the connection after it."""
+async def _answer(err: ApiError, send, close: bool = False, path: str = "") -> None:
+    """Send err as the response to a request for path (headers and all), optionally closing the
+    connection after it."""
     headers = dict(err.headers or {})
     if close:
         headers["Connection"] = "close"
-    await ApiError(err.status, err.message, err.code, headers).response()(
+    await ApiError(err.status, err.message, err.code, headers).response(path)(
         {"type": "http"}, _no_receive, send)
 
 
@@ -74,11 +75,11 @@ class Guard:
         if self.key is not None and path not in OPEN_PATHS and not self._authorized(scope):
             return await _answer(ApiError(401, "invalid or missing API key: send the header 'Authorization: "
                                           "Bearer KEY' (or 'X-Api-Key: KEY') with the key given to --api-key",
-                                          "invalid_api_key", {"WWW-Authenticate": "Bearer"}), send)
+                                          "invalid_api_key", {"WWW-Authenticate": "Bearer"}), send, path=path)
         if self.state.stopping and path != "/metrics":
             self.state.n_refused += path not in OPEN_PATHS
             return await _answer(ApiError(503, "the server is shutting down and takes no new requests",
-                                          "shutting_down"), send, close=True)
+                                          "shutting_down"), send, close=True, path=path)
         if scope["method"] in _BODY_METHODS:
             body = await self._body(scope, receive, send)
             if body is None:
@@ -87,7 +88,8 @@ class Guard:
                 body.decode("utf-8")   # JSON on the network is UTF-8 (RFC 8259)
             except UnicodeDecodeError as e:
                 return await _answer(ApiError(400, f"the request body is not valid JSON: it is not UTF-8 (byte "
-                                              f"0x{body[e.start]:02x} at offset {e.start})", "invalid_json"), send)
+                                              f"0x{body[e.start]:02x} at offset {e.start})", "invalid_json"), send,
+                                     path=path)
             receive = _replay(body, receive)
         started = False
 
@@ -102,14 +104,14 @@ class Guard:
             log.error("%s %s failed", scope["method"], path, exc_info=e)
             if started:
                 raise   # headers are out: only closing the connection can tell the client
-            await _answer(ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error"), send)
+            await _answer(ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error"), send, path=path)
 
     async def _body(self, scope, receive, send) -> bytes | None:
         """The whole request body, or None once answered (413, 408) or when the client left."""
         cfg = self.state.config
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > cfg.max_body:
-            await _answer(self._too_large(int(length)), send, close=True)
+            await _answer(self._too_large(int(length)), send, close=True, path=scope["path"])
             return None
         chunks: list[bytes] = []
         size = 0
@@ -129,9 +131,10 @@ class Guard:
         except TimeoutError:
             expected = f" of {int(length)}" if length is not None and length.isdigit() else ""
             await _answer(ApiError(408, f"the request body did not arrive within {cfg.body_timeout:g} s "
-                                   f"(--body-timeout): got {size}{expected} bytes", "body_timeout"), send, close=True)
+                                   f"(--body-timeout): got {size}{expected} bytes", "body_timeout"), send, close=True,
+                          path=scope["path"])
             return None
-        await _answer(self._too_large(size, at_least=True), send, close=True)
+        await _answer(self._too_large(size, at_least=True), send, close=True, path=scope["path"])
         return None
 
     def _too_large(self, size: int, at_least: bool = False) -> ApiError:

@@ -47,6 +47,7 @@ def llama_router(state: ServerState) -> APIRouter:
             o = await state.finish(run, client)
         return final(o, o.text)
 
+    router.add_api_route("/completions", completion, methods=["POST"], include_in_schema=False)
     model = state.model
 
     def tokens(req: TokenizeRequest) -> list:

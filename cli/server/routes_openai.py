@@ -1,5 +1,6 @@
 """The OpenAI endpoints: POST /v1/completions and /v1/chat/completions (stream: server-sent events
-ending with `data: [DONE]`)."""
+ending with `data: [DONE]`; also /chat/completions, as llama-server); llama-server's chat helpers
+POST /v1/chat/completions/input_tokens (a request's prompt tokens) and /apply-template (its prompt)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from .schemas import ChatCompletion, ChatRequest, Completion, CompletionRequest
+from .schemas import ChatCompletion, ChatRequest, Completion, CompletionRequest, InputTokens
 from .slots import Outcome
 from .state import Client, ServerState
 from .streaming import stream
@@ -76,5 +77,21 @@ def openai_router(state: ServerState) -> APIRouter:
                 "choices": [{"index": 0, "message": msg, "logprobs": state.chat_logprobs(o),
                              "finish_reason": o.finish_reason}],
                 "usage": state.usage(job, o), "timings": state.timings(o)}
+
+    router.add_api_route("/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
+
+    @router.post("/v1/chat/completions/input_tokens", response_model=InputTokens,
+                 summary="the prompt tokens of a chat request (llama-server's)")
+    async def chat_input_tokens(req: ChatRequest):
+        return {"input_tokens": len(await state.prepare(lambda: state.chat_prompt(state.chat_messages(req)))),
+                "object": "response.input_tokens"}
+
+    router.add_api_route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"],
+                         include_in_schema=False)
+
+    @router.post("/apply-template", summary="the prompt a chat request renders to, without running it "
+                                            "(llama-server's)")
+    async def apply_template(req: ChatRequest):
+        return {"prompt": await state.prepare(lambda: state.chat_text(state.chat_messages(req)))}
 
     return router

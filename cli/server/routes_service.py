@@ -45,6 +45,8 @@ def service_router(state: ServerState) -> APIRouter:
     async def models():
         return {"object": "list", "data": [card()]}
 
+    router.add_api_route("/models", models, methods=["GET"], include_in_schema=False)
+
     @router.get("/v1/models/{model_id:path}", response_model=ModelCard, summary="the model served, by its id",
                 responses={404: {"model": ErrorResponse, "description": "not the model served"}})
     async def model(model_id: str):

@@ -365,6 +365,86 @@ class ChatRequest(_Sampling):
         return v
 
 
+class AnthropicBlock(_Body):
+    """A content block of the Anthropic Messages API: text only."""
+
+    type: Literal["text"] = Field(description="only text: image, document, tool_use, tool_result and thinking "
+                                              "blocks are a 400 (the model reads text; the server has no tool calling)")
+    text: Text
+    cache_control: dict[str, Any] | None = Field(None, description="ignored: every prompt prefix is cached")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if v in ("tool_use", "tool_result", "server_tool_use"):
+            raise unsupported(f"a content block of type {v!r}", _NO_TOOLS)
+        if v != "text" and isinstance(v, str):
+            raise unsupported(f"a content block of type {v!r}", "the model reads text only; send the text itself")
+        return v
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: Text | list[AnthropicBlock]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+class MessagesRequest(_Controls):
+    """POST /v1/messages (Anthropic's Messages API, as llama-server serves it): the conversation
+    through the model's chat template; a final assistant message is continued (prefill)."""
+
+    model: Text | None = Field(None, description="ignored: the server serves one model")
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (Anthropic requires it; "
+                                                           "default: the server's -n)")
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Text | list[AnthropicBlock] | None = Field(None, description="the system prompt")
+    stop_sequences: list[Text] | None = Field(None, description="up to 4 strings; the text ends before the first one")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy")
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="llama.cpp extension")
+    seed: int | None = Field(None, ge=-1, le=MAX_SEED, description="llama.cpp extension; -1: random")
+    stream: bool = False
+    metadata: dict[str, Any] | None = Field(None, description="ignored")
+    tools: list[Any] | None = Field(None, description="not supported: a 400 unless empty")
+    tool_choice: dict[str, Any] | None = Field(None, description='only {"type": "none"}: anything else is a 400')
+    thinking: dict[str, Any] | None = Field(None, description='only {"type": "disabled"}: the server has no '
+                                                              "reasoning budget")
+    speculative: Speculative | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise unsupported("tools", _NO_TOOLS)
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v is not None and v.get("type") != "none":
+            raise unsupported("tool_choice", _NO_TOOLS)
+        return v
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_thinking(cls, v):
+        if v is not None and v.get("type") != "disabled":
+            raise unsupported("thinking", "it has no extended-thinking budget; the model answers as its chat "
+                                          "template makes it")
+        return v
+
+    def chat(self) -> list[dict]:
+        """The conversation as chat-template messages: the system prompt first."""
+        out = []
+        if self.system:
+            out.append({"role": "system", "content": self.system if isinstance(self.system, str)
+                        else "".join(b.text for b in self.system)})
+        return out + [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
 class LlamaCompletionRequest(_Controls):
     """POST /completion, llama-server's own endpoint."""
 
@@ -533,3 +613,30 @@ class Health(BaseModel):
     status: Literal["ok"]
     slots_idle: int
     slots_processing: int
+
+
+class AnthropicTextOut(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int = Field(description="prompt tokens evaluated (not read from the slot's KV cache)")
+    cache_read_input_tokens: int = Field(description="prompt tokens reused from the slot's KV cache")
+    output_tokens: int
+
+
+class AnthropicMessageOut(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicTextOut]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class InputTokens(BaseModel):
+    input_tokens: int
+    object: str | None = None

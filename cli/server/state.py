@@ -9,6 +9,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 from fastapi import Request
@@ -28,6 +29,8 @@ from .limits import time_limited
 from .metrics import Metrics
 from .schemas import ChatRequest, Speculative
 from .slots import Busy, Drained, Job, Outcome, Run, ShuttingDown, SlotPool
+
+T = TypeVar("T")
 
 MAX_BODY = 8 << 20            # bytes: --max-body's default
 BODY_TIMEOUT_S = 10.0         # --body-timeout's default
@@ -200,11 +203,25 @@ class ServerState:
         A conversation that ends with an assistant message (prefill_assistant, llama-server's default)
         is continued: the messages before it with the assistant's generation prompt, then its content
         as the start of the answer (llama.cpp's common_chat_templates_apply with continue_final_message)."""
-        fmt = self.chat_format()
-        messages = []
-        for m in req.messages:
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        return self.tokens(self.chat_prompt(self.chat_messages(req)))
+
+    @staticmethod
+    def chat_messages(req: ChatRequest) -> list[dict]:
+        """A chat request's messages as the chat template reads them: {"role", "content"}, the
+        content parts joined, a developer message as a system one."""
+        return [{"role": "system" if m.role == "developer" else m.role,
+                 "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])}
+                for m in req.messages]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """[{"role", "content"}] -> the prompt's tokens through the chat template (unchecked: see
+        tokens()). Renders and tokenizes: call it off the event loop."""
+        return self.chat_format().tokenize(self.chat_text(messages))
+
+    def chat_text(self, messages: list[dict]) -> str:
+        """The prompt text the chat template renders for [{"role", "content"}], a final assistant
+        message continued (prefill_assistant) or closed as a whole turn."""
+        fmt, messages = self.chat_format(), list(messages)
         prefill = ""
         if self.config.prefill_assistant and messages[-1]["role"] == "assistant":
             if len(messages) >= 2 and messages[-2]["role"] == "assistant":
@@ -216,7 +233,7 @@ class ServerState:
             text = time_limited(lambda: fmt.render(messages))
         except TemplateError as e:
             raise ApiError(400, f"messages: {e}", "invalid_value") from None
-        return self.tokens(fmt.tokenize(text + prefill))
+        return text + prefill
 
     def chat_format(self) -> ChatFormat:
         fmt = self.config.chat_format
@@ -235,11 +252,7 @@ class ServerState:
         if any(not s for s in stop):
             raise ApiError(400, "stop: a stop string is empty", "invalid_value")
         sampling, spec, n = self.sampling(req), self.spec(req.speculative), self.n_predict(n_predict)
-        self.metrics.preparing(+1)
-        try:
-            tokens = await asyncio.to_thread(prompt)
-        finally:
-            self.metrics.preparing(-1)
+        tokens = await self.prepare(prompt)
         return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs,
                    cache_prompt=getattr(req, "cache_prompt", True), stream=bool(getattr(req, "stream", False)))
 
@@ -258,6 +271,15 @@ class ServerState:
     def detokenize(self, tokens) -> str:
         """Token ids -> text, special tokens written out (llama-server's /detokenize)."""
         return b"".join(self.model.piece(int(t), special=True) for t in tokens).decode("utf-8", errors="replace")
+
+    async def prepare(self, fn: Callable[[], T]) -> T:
+        """fn() (render a template, tokenize) in a worker thread, counted in the metrics as a request
+        being prepared: the event loop keeps answering meanwhile."""
+        self.metrics.preparing(+1)
+        try:
+            return await asyncio.to_thread(fn)
+        finally:
+            self.metrics.preparing(-1)
 
     # -- running -----------------------------------------------------------------------------
     async def start(self, job: Job, client: Client) -> Run:

@@ -1,7 +1,8 @@
 """Server-sent events: a run's text as `data: {...}` events, ending with `data: [DONE]` on the
-OpenAI endpoints. Once the headers are sent an error can only travel as an event: a generation that
-fails, or that the shutdown stops, ends with `data: {"error": {...}}` (then `[DONE]`), never with a
-final chunk that looks complete."""
+OpenAI endpoints; on Anthropic's /v1/messages each event is also named by its type (`event:
+content_block_delta`). Once the headers are sent an error can only travel as an event: a generation
+that fails, or that the shutdown stops, ends with `data: {"error": {...}}` (then `[DONE]`; Anthropic:
+`event: error`), never with a final chunk that looks complete."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from collections.abc import AsyncIterator, Callable
 import anyio
 from fastapi.responses import StreamingResponse
 
+from .errors import ApiError
 from .slots import Outcome, Run
 from .state import ServerState
 
 log = logging.getLogger(__name__)
 
 
-def sse(obj) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+def sse(obj, named: bool = False) -> str:
+    """One event; named: an `event:` line with obj's type first (Anthropic's streams)."""
+    head = f"event: {obj['type']}\n" if named else ""
+    return f"{head}data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
 class SSEResponse(StreamingResponse):
@@ -46,27 +50,31 @@ class SSEResponse(StreamingResponse):
 
 
 def stream(run: Run, state: ServerState, first: list, piece: Callable[[str], dict],
-           last: Callable[[Outcome], list], done: bool) -> SSEResponse:
+           last: Callable[[Outcome], list], done: bool, named: bool = False) -> SSEResponse:
     """first: the events before any text; piece(text): one event; last(outcome): the closing events;
-    done: end with `data: [DONE]` (OpenAI; llama-server's /completion has none)."""
+    done: end with `data: [DONE]` (OpenAI; llama-server's /completion has none); named: every event
+    named by its type, errors in Anthropic's shape (/v1/messages)."""
+
+    def error(e: ApiError) -> str:
+        return sse(e.anthropic_body(), named=True) if named else sse(e.body())
 
     async def body() -> AsyncIterator[str]:
         try:
             for obj in first:
-                yield sse(obj)
+                yield sse(obj, named)
             async for ev in run.events():
                 if not isinstance(ev, Outcome):
-                    yield sse(piece(ev))
+                    yield sse(piece(ev), named)
                 elif run.shut_down:
                     state.metrics.error(503)
-                    yield sse(state.shutdown_error(ev).body())
+                    yield error(state.shutdown_error(ev))
                 else:
                     for obj in last(ev):
-                        yield sse(obj)
+                        yield sse(obj, named)
         except Exception as e:  # headers are sent: the error travels as an event
             log.exception("generation failed while streaming")
             state.metrics.error(500)
-            yield sse({"error": {"message": str(e), "type": "server_error", "code": "generation_failed"}})
+            yield error(ApiError(500, str(e), "generation_failed"))
         finally:
             run.cancel()   # no-op when it ended; else the client left: free the slot now
         if done:
