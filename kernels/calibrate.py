@@ -215,7 +215,8 @@ def setting_name(spec: SpecParams) -> str:
     if not spec.types:
         return "none"
     if spec.types == ("ngram-simple",):
-        return f"ngram-simple size-n {spec.ngram_size_n} size-m {spec.ngram_size_m}"
+        longest = " longest match" if spec.ngram_match == "longest" else ""
+        return f"ngram-simple size-n {spec.ngram_size_n} size-m {spec.ngram_size_m}{longest}"
     if spec.types in (("ngram-map-k",), ("ngram-map-k4v",)):
         p = spec.ngram_map_k if spec.types[0] == "ngram-map-k" else spec.ngram_map_k4v
         return f"{spec.types[0]} size-n {p.size_n} size-m {p.size_m}" + (f" min-hits {p.min_hits}" * (p.min_hits > 1))

@@ -71,6 +71,8 @@ class SpecParams:
     ngram_size_n: int = 12
     ngram_size_m: int = 48
     ngram_min_hits: int = 1
+    ngram_match: str | None = None   # ngram-simple's occurrence: "last" (llama.cpp's), "longest" (specrun's);
+                                     # None: last, and longest for --spec-type auto's candidates
     ngram_map_k: NgramMapParams = NgramMapParams()
     ngram_map_k4v: NgramMapParams = NgramMapParams()
     ngram_mod: NgramModParams = NgramModParams()

@@ -396,7 +396,7 @@ def test_auto_keeps_adaptive_ngrams_when_no_setting_is_predicted_faster(tiny_mtp
                             measure=injected_timings(2.0, {1: 2, 2: 4, 4: 8, 8: 16, 16: 32, 17: 34}, 2.0))
     assert (spec.types, spec.ngram_size_n, spec.ngram_size_m, spec.adaptive) == (("ngram-simple",), 3, 16, True)
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.match(r"spec auto: ngram-simple size-n 3 size-m 16, adaptive: drafts only while they are predicted "
+    assert re.match(r"spec auto: ngram-simple size-n 3 size-m 16 longest match, adaptive: drafts only while they are predicted "
                     r"to pay on the text at hand; calibration: none: no speculative setting is predicted faster "
                     r"than ×1\.10; the best, (draft-mtp n-max 1, is ×0\.67 \(acceptance 1\.00|\S+ .*is ×1\.00 \()",
                     line), line
@@ -446,6 +446,10 @@ def test_auto_tries_every_ngram_type_and_runs_the_winner(smollm_path, capsys, wi
         cands = auto_candidates(engine, SpecParams())
         assert [c.types[0] for c in cands if c.types[0].startswith("ngram")] == [
             "ngram-simple", "ngram-simple", *AUTO_NGRAM_TYPES]
+        # ngram-simple's candidates copy from the longest-matching occurrence, unless the command says last
+        assert {c.ngram_match for c in cands if c.types == ("ngram-simple",)} == {"longest"}
+        assert {c.ngram_match for c in auto_candidates(engine, SpecParams(ngram_match="last"))
+                if c.types == ("ngram-simple",)} == {"last"}
 
         def wins(engine, prompt, candidates, **_):   # the winner accepted whole, the others silent
             v = VerifyCost((1, 65), (0.01, 0.02), (0.01, 0.02), (0.01, 0.02))
@@ -461,7 +465,7 @@ def test_auto_tries_every_ngram_type_and_runs_the_winner(smollm_path, capsys, wi
     said = capsys.readouterr().err.strip().splitlines()[-1]
     if builtin and winner != "ngram-mod":
         assert spec.types == ("ngram-simple",) and (spec.ngram_size_n, spec.ngram_size_m) == (3, 16)
-        assert spec.adaptive and said.startswith("spec auto: ngram-simple size-n 3 size-m 16, adaptive")
+        assert spec.adaptive and said.startswith("spec auto: ngram-simple size-n 3 size-m 16 longest match, adaptive")
     else:
         assert spec.types == (winner,) and not spec.adaptive
         assert said.startswith(f"spec auto: {winner}")
@@ -504,9 +508,9 @@ def test_auto_calibration_probes_every_ngram_type(smollm_path):
         choice = calibrate(engine, prompt, auto_candidates(engine, SpecParams()), n_probe=24, reps=1, verify_reps=1)
     got = {setting_name(p.spec): round(p.tokens_per_pass, 2) for p in choice.table}
     assert sorted(got) == ["ngram-cache", "ngram-map-k size-n 12 size-m 48", "ngram-map-k4v size-n 12 size-m 48",
-                           "ngram-mod n-match 24 n-min 48 n-max 64", "ngram-simple size-n 12 size-m 48",
-                           "ngram-simple size-n 3 size-m 16"], got
-    assert got["ngram-cache"] > 1 and got["ngram-simple size-n 3 size-m 16"] > 1, got
+                           "ngram-mod n-match 24 n-min 48 n-max 64", "ngram-simple size-n 12 size-m 48 longest match",
+                           "ngram-simple size-n 3 size-m 16 longest match"], got
+    assert got["ngram-cache"] > 1 and got["ngram-simple size-n 3 size-m 16 longest match"] > 1, got
 
 
 def test_available_types(tiny_mtp, smollm_path):

@@ -86,11 +86,13 @@ def test_prompts_cover_both_sides_of_256(target):
 
 @pytest.mark.parametrize("temp", TEMPS)
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("size_n, size_m", [(2, 2), (2, 5), (2, 16), (3, 48)])
-def test_ngram_simple_equals_plain(target, prompt, temp, size_n, size_m):
-    """n-gram drafts are copies of size_n..size_m tokens (llama.cpp: --spec-draft-n-max does not bound them)."""
+@pytest.mark.parametrize("size_n, size_m, match", [(2, 2, "last"), (2, 5, "last"), (2, 16, "last"), (3, 48, "last"),
+                                                   (2, 16, "longest"), (3, 16, "longest")])
+def test_ngram_simple_equals_plain(target, prompt, temp, size_n, size_m, match):
+    """n-gram drafts are copies of size_n..size_m tokens (llama.cpp: --spec-draft-n-max does not bound them),
+    from the last earlier occurrence (llama.cpp's) or the longest-matching one (auto's)."""
     got, _ = run(target.engine, target.prompts[prompt], temp,
-                 spec=spec(("ngram-simple",), 3, ngram_size_n=size_n, ngram_size_m=size_m))
+                 spec=spec(("ngram-simple",), 3, ngram_size_n=size_n, ngram_size_m=size_m, ngram_match=match))
     assert got == target.plain(prompt, temp)
 
 

@@ -150,3 +150,79 @@ def test_long_context_with_default_sizes():
         assert draft == llama_ngram_simple(ctx[:L], 12, 48, 16)
         n_drafts += bool(draft)
     assert n_drafts > 50
+
+
+# ---- match="longest" (specrun's; what --spec-type auto runs) ----------------------------------------
+
+
+def longest_ngram_simple(ctx: list[int], n: int, m: int, n_max: int, back_max: int = 64) -> list[int]:
+    """The rule, spelled out: of the starts j in [1, L - n - 2] of the last n tokens with
+    copy_max = min(m, L - 1 - (j + n)) >= n, the one whose preceding tokens equal those before the
+    current occurrence for the longest stretch (at most back_max), the latest among equals."""
+    L = len(ctx)
+    if n_max <= 0 or L <= n + m + 2:
+        return []
+    best, best_run = 0, -1
+    for j in range(1, L - n - 1):
+        if ctx[j:j + n] != ctx[L - n:] or min(m, L - 1 - (j + n)) < n:
+            continue
+        run_ = 0
+        while run_ < back_max and j - 1 - run_ >= 0 and ctx[j - 1 - run_] == ctx[L - n - 1 - run_]:
+            run_ += 1
+        if run_ >= best_run:
+            best, best_run = j, run_
+    if best == 0:
+        return []
+    return ctx[best + n:best + n + min(m, L - 1 - (best + n), n_max)]
+
+
+LONGEST_CASES = [
+    # the a, b at 2 is preceded by c, as the current one is; the one at 7 by d: copy after 2
+    pytest.param([X, C, A, B, Y, Z, D, A, B, W, F, C, A, B], 2, 2, [Y, Z], [W, F], id="same-context-wins"),
+    # no occurrence shares a preceding token: the latest, as "last"
+    pytest.param([X, C, A, B, Y, Z, D, A, B, W, F, E, A, B], 2, 2, [W, F], [W, F], id="tie-latest"),
+    # the latest is too recent for n tokens: "last" gives nothing, "longest" the one with room
+    pytest.param([X, A, B, C, D, E, F, G, A, B, A, B], 2, 3, [C, D, E], [], id="too-recent-skipped"),
+    # a longer stretch beats a shorter one
+    pytest.param([X, E, C, A, B, Y, Z, D, C, A, B, W, F, G, E, C, A, B], 2, 2, [Y, Z], [W, F], id="longer-stretch"),
+    # equal stretches (64 tokens, the most compared): the latest, as "last" (a periodic text)
+    pytest.param([A, B, C] * 40 + [A, B], 2, 4, [C, A], [C, A], id="periodic-latest"),
+]
+
+
+@pytest.mark.parametrize("ctx, n, m, want_longest, want_last", LONGEST_CASES)
+def test_longest_match_worked_cases(ctx, n, m, want_longest, want_last):
+    for match, want in (("longest", want_longest), ("last", want_last)):
+        d = NgramSimple(size_n=n, size_m=m, match=match)
+        d.begin(np.asarray(ctx[:-1], dtype=np.int32))
+        assert d.propose(np.asarray(ctx, dtype=np.int32), 16).tokens.tolist() == want, match
+    assert longest_ngram_simple(ctx, n, m, 16) == want_longest
+
+
+@pytest.mark.parametrize(("alphabet", "n", "m"), [(2, 1, 1), (3, 2, 3), (3, 3, 8), (4, 2, 5), (2, 4, 4)])
+def test_longest_equals_its_rule_incrementally(alphabet, n, m):
+    rng = np.random.default_rng(7 * alphabet + 3 * n + m)
+    for _ in range(4):
+        ctx = rng.integers(0, alphabet, int(rng.integers(1, 20))).tolist()
+        d = NgramSimple(size_n=n, size_m=m, match="longest")
+        d.begin(np.asarray(ctx, dtype=np.int32))
+        for _ in range(120):
+            n_max = int(rng.integers(0, m + 3))
+            got = d.propose(np.asarray(ctx, dtype=np.int32), n_max).tokens.tolist()
+            assert got == longest_ngram_simple(ctx, n, m, n_max), (ctx, n_max)
+            ctx += (got[: int(rng.integers(0, len(got) + 1))] + rng.integers(0, alphabet, 1).tolist())
+
+
+def test_longest_on_a_long_repetitive_context():
+    """Thousands of occurrences of the pattern (the latest CANDIDATES_MAX are weighed, each the same
+    64 tokens back): the latest with room, as "last"; a different sentence among them is found."""
+    ctx = np.asarray(([A, B, C] * 3000) + [D, E, A, B, F, G] + ([A, B, C] * 50) + [D, E, A, B], dtype=np.int32)
+    for match, want in (("longest", [F, G, A, B, C, A, B, C, A, B, C, A, B, C, A, B]), ("last", [C, D, E, A])):
+        d = NgramSimple(size_n=2, size_m=16, match=match)
+        d.begin(ctx[:-1])
+        assert d.propose(ctx, 16).tokens.tolist() == want, match
+
+
+def test_match_is_checked():
+    with pytest.raises(ValueError, match="ngram-simple match 'first': use one of last, longest"):
+        NgramSimple(2, 3, match="first")

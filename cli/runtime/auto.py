@@ -31,6 +31,9 @@ from .prompts import PROMPTS
 # own and llama-server's usual "n3 m16"
 AUTO_N_MAX = (1, 2, 3, 4, 6, 8)
 AUTO_NGRAM_SIZES = ((3, 16),)
+# ngram-simple's candidates copy from the earlier occurrence with the longest matching context
+# (kernels/drafters/ngram_simple.py; --spec-ngram-simple-match last keeps llama.cpp's last one)
+AUTO_NGRAM_MATCH = "longest"
 # llama.cpp's other n-gram drafters, which auto also probes, each with its own flags (the command's,
 # llama.cpp's defaults unless given): one probe per rep each, as an n-gram has no n-max to vary
 AUTO_NGRAM_TYPES = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
@@ -40,7 +43,8 @@ def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     """Single-type candidates for what the engine has loaded, with base's other settings."""
     base = replace(base, adaptive=False)
     sizes = dict.fromkeys([(base.ngram_size_n, base.ngram_size_m), *AUTO_NGRAM_SIZES])
-    out = [replace(base, types=("ngram-simple",), ngram_size_n=n, ngram_size_m=m)
+    match = base.ngram_match or AUTO_NGRAM_MATCH
+    out = [replace(base, types=("ngram-simple",), ngram_size_n=n, ngram_size_m=m, ngram_match=match)
            for n, m in sizes if m <= engine.n_max_cap]
     out += [replace(base, types=(t,)) for t in AUTO_NGRAM_TYPES]
     models = [t for t in ("draft-simple", "draft-eagle3", "draft-mtp")

@@ -129,6 +129,9 @@ def _llama_server(p: Plan) -> Export:
     if "ngram-simple" in s.types:
         argv += ["--spec-ngram-simple-size-n", str(s.ngram_size_n), "--spec-ngram-simple-size-m", str(s.ngram_size_m)]
         argv += ["--spec-ngram-simple-min-hits", str(s.ngram_min_hits)] if s.ngram_min_hits != 1 else []
+        if s.ngram_match == "longest":
+            notes.append("--spec-ngram-simple-match longest: not exported; llama-server's ngram-simple copies from "
+                         "the last earlier occurrence of the pattern")
     for t, m in (("k", s.ngram_map_k), ("k4v", s.ngram_map_k4v)):
         if f"ngram-map-{t}" in s.types:
             argv += [f"--spec-ngram-map-{t}-size-n", str(m.size_n), f"--spec-ngram-map-{t}-size-m", str(m.size_m)]

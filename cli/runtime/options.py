@@ -203,6 +203,10 @@ def spec_options(f):
     @click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=48, show_default=True,
                   help="n-gram drafts: the most tokens copied after the match (an n-gram draft's length bound)")
     @click.option("--spec-ngram-simple-min-hits", "ngram_hits", type=click.IntRange(1), default=1, show_default=True)
+    @click.option("--spec-ngram-simple-match", "ngram_match", type=click.Choice(["last", "longest"]), default=None,
+                  help="which earlier occurrence of the pattern an n-gram draft copies from: last (llama.cpp's) or "
+                       "longest, the one whose preceding tokens match the most (specrun's)  [default: last; "
+                       "auto: longest]")
     @ngram_family_options
     @click.option("--spec-verify", "verify", type=click.Choice(["auto", "match", "rejection"]), default="auto",
                   show_default=True, help="rejection = speculative sampling when the drafter has a distribution")
@@ -328,7 +332,7 @@ def spec_params(kw: dict) -> SpecParams:
     return SpecParams(types=kw.get("spec_type", ()), n_max=kw.get("n_max", 3), n_min=kw.get("n_min", 0),
                       p_min=kw.get("p_min", 0.0), ngram_size_n=kw.get("ngram_n", 12),
                       ngram_size_m=kw.get("ngram_m", 48), ngram_min_hits=kw.get("ngram_hits", 1),
-                      verify=kw.get("verify", "auto"), adaptive=kw.get("adaptive", False), **ngram_family_params(kw))
+                      ngram_match=kw.get("ngram_match"), verify=kw.get("verify", "auto"), adaptive=kw.get("adaptive", False), **ngram_family_params(kw))
 
 
 def unapplied(kw: dict) -> list[str]:

@@ -49,7 +49,7 @@ def draft_n_max(spec_type: str, spec: SpecParams) -> int:
 def drafter_key(spec_type: str, spec: SpecParams) -> tuple:
     """The settings that make two drafters of a type different (an engine caches one per key)."""
     if spec_type == "ngram-simple":
-        return (spec_type, spec.ngram_size_n, spec.ngram_size_m)
+        return (spec_type, spec.ngram_size_n, spec.ngram_size_m, spec.ngram_match or "last")
     own = {"ngram-map-k": spec.ngram_map_k, "ngram-map-k4v": spec.ngram_map_k4v, "ngram-mod": spec.ngram_mod,
            "ngram-cache": spec.ngram_cache}.get(spec_type)
     return (spec_type,) if own is None else (spec_type, own)
@@ -61,7 +61,7 @@ def make_drafter(spec_type: str, target: TargetView, spec: SpecParams, *, draft_
     heads_path: an MTP-only GGUF for draft-mtp (None: the target's own heads, which must have been
     loaded)."""
     if spec_type == "ngram-simple":
-        return NgramSimple(spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits)
+        return NgramSimple(spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits, spec.ngram_match or "last")
     if spec_type in ("ngram-map-k", "ngram-map-k4v"):
         p = spec.ngram_map_k if spec_type == "ngram-map-k" else spec.ngram_map_k4v
         return (NgramMapK if spec_type == "ngram-map-k" else NgramMapK4V)(p.size_n, p.size_m, p.min_hits)
