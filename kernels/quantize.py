@@ -170,6 +170,9 @@ def _run_quantize(src: Path, dst: Path, ftype: str, overrides: Sequence[TensorOv
         dst.unlink(missing_ok=True)                      # llama.cpp may have begun writing it
         why = cap.errors[-1] if cap.errors else "no message"
         why = why.split("failed to quantize: ", 1)[-1]
+        if "requantizing" in why and not allow_requantize:
+            why += ("; its tensors are already quantized, and quantizing them again loses more quality than "
+                    "quantizing the F16/BF16/F32 original: start from that, or pass --allow-requantize")
         raise QuantizeError(f"llama_model_quantize returned {rc} for {src} -> {ftype}: {why}")
 
 

@@ -216,6 +216,10 @@ def test_llama_cpp_flags_pass_to_llama_server_and_are_named_for_the_others(f):
                         "decoding); GGML_CPU_TILED_MM=0 in its environment and -nr -ctk q8_0 give it exact mode's "
                         "kernels and KV types (--no-exact: this line goes)"]
     assert notes(invoke("--to", "llama-server", *args, "--no-exact"))[-1].startswith("--spec-draft-adaptive")
+    # a cache exact mode did not apply goes to llama-server as given, and the line says so
+    assert notes(invoke("--to", "llama-server", "-m", f["G"], "-ctk", "q4_0", "-fa", "on"))[-1].endswith(
+        "kernels and KV types; the -ctk q4_0 above goes to llama-server as given, where exact mode did not apply it "
+        "(--no-exact: this line goes)")
     r = invoke("--to", "llama-server", "-m", f["G"], "--spec-type", "ngram-mod", "--spec-draft-n-min", "30",
                "--no-exact")
     assert notes(r) == ["--spec-draft-n-min 30: not exported; llama-server applies it to draft-model, EAGLE-3 and "

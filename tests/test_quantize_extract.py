@@ -266,7 +266,9 @@ def test_cli_quantize_requantize_error_is_one_line(q4, tmp_path):
     r = run("quantize", str(q4), str(tmp_path / "q.gguf"), "q8_0")
     assert r.exit_code == 1
     assert r.stderr.strip().splitlines() == [
-        f"Error: llama_model_quantize returned 1 for {q4} -> q8_0: requantizing from type q6_K is disabled"]
+        f"Error: llama_model_quantize returned 1 for {q4} -> q8_0: requantizing from type q6_K is disabled; its "
+        "tensors are already quantized, and quantizing them again loses more quality than quantizing the "
+        "F16/BF16/F32 original: start from that, or pass --allow-requantize"]
 
 
 def test_cli_extract(q4, tmp_path):

@@ -80,6 +80,9 @@ def test_stream_events_are_anthropics_and_carry_the_same_text(server, client):
     assert set(events[2:-3]) == {"content_block_delta"}
     assert "".join(d["delta"]["text"] for d in datas[2:-3]) == text
     assert datas[-2]["delta"]["stop_reason"] == whole.stop_reason
+    # message_start comes once the prompt is evaluated: its prompt counts are the final ones (a repeat: cached)
+    start, end = datas[0]["message"]["usage"], datas[-2]["usage"]
+    assert start["cache_read_input_tokens"] > 0 and start == {**end, "output_tokens": 0}
 
 
 def test_stop_sequences_max_tokens_and_prefill(server, client):
@@ -127,6 +130,7 @@ def test_count_tokens_apply_template_and_input_tokens_agree(server, client):
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]},
      "a content block of type 'tool_result'"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking: not supported"),
+    ({"stop_sequences": ["x", ""]}, "stop_sequences: a stop string is empty"),
     ({"messages": []}, "messages: "),
     ({"temperature": "hot"}, "temperature: "),
 ])

@@ -160,9 +160,12 @@ def _llama_server(p: Plan) -> Export:
         # exact mode's K rows: Q8_0, or BF16 where Q8_0's 32-value blocks do not divide the head size
         # (kernels/llama.py), which llama-server would refuse as -ctk q8_0
         k = head_k_type(p.model.k_head)
+        own = {"-ctk": k, "-ctv": "f16", "-fa": "on"}       # exact mode's cache and attention
+        given = " ".join(f"{f} {v}" for f, v in p.passthrough if f in own and v != own[f])
+        instead = f"; the {given} above goes to llama-server as given, where exact mode did not apply it" if given else ""
         notes.append("exact mode: not exported; llama-server has none (its verify batches may differ from one-token "
                      f"decoding); GGML_CPU_TILED_MM=0 in its environment and -nr -ctk {k} give it exact mode's kernels "
-                     "and KV types (--no-exact: this line goes)")
+                     f"and KV types{instead} (--no-exact: this line goes)")
     return Export(tuple(argv), tuple(notes))
 
 

@@ -29,12 +29,22 @@ def anthropic_router(state: ServerState) -> APIRouter:
     async def messages(req: MessagesRequest, request: Request):
         fmt = state.chat_format()
         job = await state.job(ANTHROPIC_PATH, req, req.max_tokens, req.stop_sequences,
-                              lambda: state.tokens(state.chat_prompt(req.chat())), fmt.stop_tokens)
+                              lambda: state.tokens(state.chat_prompt(req.chat())), fmt.stop_tokens,
+                              stop_field="stop_sequences")
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": alias}
 
         def usage(o: Outcome) -> dict:
             return {"input_tokens": len(job.prompt) - o.n_cached, "cache_read_input_tokens": o.n_cached,
                     "output_tokens": len(o.tokens)}
+
+        def start(ev: str | Outcome) -> list:
+            """message_start once the prompt is evaluated (the first text, or the outcome)."""
+            cached = ev.n_cached if isinstance(ev, Outcome) else len(job.prompt) - run.stats.n_prompt
+            return [{"type": "message_start", "message": {
+                        **head, "content": [], "stop_reason": None, "stop_sequence": None,
+                        "usage": {"input_tokens": len(job.prompt) - cached, "cache_read_input_tokens": cached,
+                                  "output_tokens": 0}}},
+                    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
 
         def end(o: Outcome) -> dict:
             return {"stop_reason": _STOP_REASON[o.stop_type], "stop_sequence": o.stopping_word or None}
@@ -47,11 +57,7 @@ def anthropic_router(state: ServerState) -> APIRouter:
         async with Client(request) as client:
             run = await state.start(job, client)
             if req.stream:
-                first = [{"type": "message_start", "message": {
-                            **head, "content": [], "stop_reason": None, "stop_sequence": None,
-                            "usage": {"input_tokens": len(job.prompt), "output_tokens": 0}}},
-                         {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
-                return stream(run, state, first,
+                return stream(run, state, start,
                               lambda s: {"type": "content_block_delta", "index": 0,
                                          "delta": {"type": "text_delta", "text": s}},
                               last, done=False, named=True)

@@ -243,14 +243,16 @@ class ServerState:
         return fmt
 
     async def job(self, endpoint: str, req, n_predict: int | None, stop, prompt: Callable[[], list[int]],
-                  stop_tokens: frozenset[int] = frozenset(), logprobs: int | None = None) -> Job:
+                  stop_tokens: frozenset[int] = frozenset(), logprobs: int | None = None,
+                  stop_field: str = "stop") -> Job:
         """Check the request, then prepare its prompt (tokenize, render) in a worker thread, so the
-        event loop keeps answering while a large prompt is tokenized."""
+        event loop keeps answering while a large prompt is tokenized. stop_field: the stop strings'
+        name in the request (Anthropic's stop_sequences), for the 400s."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if len(stop) > 4:
-            raise ApiError(400, f"stop: at most 4 stop strings (got {len(stop)})", "invalid_value")
+            raise ApiError(400, f"{stop_field}: at most 4 stop strings (got {len(stop)})", "invalid_value")
         if any(not s for s in stop):
-            raise ApiError(400, "stop: a stop string is empty", "invalid_value")
+            raise ApiError(400, f"{stop_field}: a stop string is empty", "invalid_value")
         sampling, spec, n = self.sampling(req), self.spec(req.speculative), self.n_predict(n_predict)
         tokens = await self.prepare(prompt)
         return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs,

@@ -49,20 +49,27 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def stream(run: Run, state: ServerState, first: list, piece: Callable[[str], dict],
+def stream(run: Run, state: ServerState, first: list | Callable[[str | Outcome], list], piece: Callable[[str], dict],
            last: Callable[[Outcome], list], done: bool, named: bool = False) -> SSEResponse:
-    """first: the events before any text; piece(text): one event; last(outcome): the closing events;
-    done: end with `data: [DONE]` (OpenAI; llama-server's /completion has none); named: every event
-    named by its type, errors in Anthropic's shape (/v1/messages)."""
+    """first: the events before any text, or first(event) making them once the run's first text
+    piece (or its outcome) is there, the prompt evaluated (Anthropic's message_start carries the
+    prompt's cached and evaluated tokens); piece(text): one event; last(outcome): the closing
+    events; done: end with `data: [DONE]` (OpenAI; llama-server's /completion has none); named:
+    every event named by its type, errors in Anthropic's shape (/v1/messages)."""
 
     def error(e: ApiError) -> str:
         return sse(e.anthropic_body(), named=True) if named else sse(e.body())
 
     async def body() -> AsyncIterator[str]:
+        later = first if callable(first) else None
         try:
-            for obj in first:
+            for obj in [] if later else first:
                 yield sse(obj, named)
             async for ev in run.events():
+                if later is not None and not (isinstance(ev, Outcome) and run.shut_down):
+                    for obj in later(ev):
+                        yield sse(obj, named)
+                    later = None
                 if not isinstance(ev, Outcome):
                     yield sse(piece(ev), named)
                 elif run.shut_down:
