@@ -233,6 +233,10 @@ def test_slots_show_each_slots_request_in_flight_and_last(server, tmp_path):
                                 "n_remain": 12 - done["tokens_predicted"], "n_decoded": done["tokens_predicted"]}]
     assert s["params"] == {**done["generation_settings"], "stream": False}
     assert isinstance(s["id_task"], int)
+    # id_slot (llama-server's): the request runs on that slot, modulo their number
+    assert [server.completion(prompt, 2, id_slot=k)["id_slot"] for k in (1, 0, 3)] == [1, 0, 1]
+    r = server.post("/completion", {"prompt": prompt, "n_predict": 2, "id_slot": -2})
+    assert r.status_code == 400 and "id_slot" in r.json()["error"]["message"]
 
     # two requests at once: both slots busy, seen in flight with their text so far
     seen, busy_503 = [], []

@@ -89,6 +89,36 @@ def test_slot_pool_prefers_the_longest_cached_prefix_then_queues_fifo_and_bounds
     asyncio.run(scenario())
 
 
+def test_id_slot_takes_that_slot_or_waits_for_it_while_others_go_on():
+    """llama-server's id_slot: that slot (modulo their number) even where another caches more of
+    the prompt; while it is busy the request waits for it alone, and requests for any slot take
+    the others in the meantime, in their order."""
+    async def scenario():
+        pool = SlotPool([FakeEngine([1, 2]), FakeEngine([5, 6, 7])], max_queue=4)
+        pool.loop = asyncio.get_running_loop()
+        a = await pool._acquire([5, 6, 9], id_slot=0)
+        assert a.id == 0                                   # slot 1 shares [5, 6]: not asked for
+        w = asyncio.ensure_future(pool._acquire([0], id_slot=2))   # 2 % 2: slot 0, busy
+        await asyncio.sleep(0)
+        assert pool.n_waiting == 1
+        b = await pool._acquire([1])                      # any: slot 1 is idle, the waiter wants 0
+        assert b.id == 1
+        later = asyncio.ensure_future(pool._acquire([0]))  # any: waits behind the waiter for slot 0
+        await asyncio.sleep(0)
+        pool.release(b)                                   # slot 1 goes to the later one, not to w
+        assert (await later) is b and not w.done()
+        pool.release(a)
+        assert (await w) is a
+        with pytest.raises(Busy, match="slot 1 is busy"):
+            pool.max_queue = 0
+            await pool._acquire([0], id_slot=1)
+        pool.release(a)
+        pool.release(b)
+        assert pool.n_busy == 0 and pool.n_waiting == 0
+
+    asyncio.run(scenario())
+
+
 def test_metrics_text():
     m = Metrics(("ngram-simple",))
     st = GenStats(n_prompt=7, n_gen=20, t_prompt_s=0.5, t_gen_s=1.0, n_target_passes=9,

@@ -178,6 +178,9 @@ class _Controls(_Body):
                                                "follows ({} : any JSON object)")
     response_format: dict[str, Any] | None = Field(None, description=_RESPONSE_FORMAT)
     post_sampling_probs: bool | None = Field(None, description=f"llama-server's; only false ({_NO_POST_SAMPLING})")
+    id_slot: int | None = Field(None, ge=-1, le=INT32_MAX, description="llama.cpp extension: the slot that serves "
+                                "the request (modulo the number of slots), waiting for it while it is busy; -1: an "
+                                "idle one, the one whose cache shares the longest prefix")
 
     _response = field_validator("response_format")(_response_format)
 

@@ -65,6 +65,7 @@ class Job:
     cache_prompt: bool = True    # False: the slot forgets its cached prompt first (the whole prompt is evaluated)
     stream: bool = True          # False: the text comes with the Outcome only, no event per piece (a
                                  # wake-up of the event loop per target pass costs the decode threads CPU)
+    id_slot: int = -1            # llama-server's id_slot: this slot (modulo their number), waiting for it; -1: any
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +279,7 @@ class SlotPool:
         self.threads: set[threading.Thread] = set()   # the runs' threads still going (any thread may discard)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: deque[tuple[asyncio.Future, int | None]] = deque()   # (future, the slot id it waits for)
         self._runs: set[Run] = set()
         self.n_tasks = 0                     # runs started (their id_task)
         self.lost: Exception | None = None   # an RPC worker lost (worker_lost): nothing more runs
@@ -297,7 +298,7 @@ class SlotPool:
         for r in list(self._runs):
             r.fail(err)
         while self._waiters:
-            fut = self._waiters.popleft()
+            fut, _ = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(err)
 
@@ -307,34 +308,39 @@ class SlotPool:
 
     @property
     def n_waiting(self) -> int:
-        return sum(not f.done() for f in self._waiters)
+        return sum(not f.done() for f, _ in self._waiters)
 
     async def start(self, job: Job) -> Run:
         """Take a slot (waiting in the queue if need be) and start the job on it. Cancelling the
         caller while it waits gives its place in the queue up."""
         self.loop = asyncio.get_running_loop()
-        slot = await self._acquire(job.prompt)
+        slot = await self._acquire(job.prompt, job.id_slot)
         run = Run(self, slot, job, self.n_tasks)
         self.n_tasks += 1
         slot.last = run
         self._runs.add(run)
         return run
 
-    async def _acquire(self, prompt: np.ndarray) -> Slot:
+    async def _acquire(self, prompt: np.ndarray, id_slot: int = -1) -> Slot:
+        """An idle slot (the one whose cache shares the longest prefix with prompt; id_slot >= 0: that
+        slot, modulo their number, as llama-server), or a place in the queue until one is handed over.
+        An idle slot never has a waiter that could take it (release hands a slot over at once)."""
         if self.lost is not None:
             raise self.lost
         if self.closing:
             raise ShuttingDown("the server is shutting down and takes no new requests")
-        idle = [s for s in self.slots if not s.busy]
-        if idle and not self.n_waiting:
+        want = None if id_slot < 0 else id_slot % len(self.slots)
+        idle = [s for s in self.slots if not s.busy and want in (None, s.id)]
+        if idle:
             slot = max(idle, key=lambda s: common_prefix(s.engine.kv_tokens, prompt))
             slot.busy = True
             return slot
         if self.n_waiting >= self.max_queue:
-            raise Busy(f"all {len(self.slots)} slots are busy and {self.n_waiting} requests are waiting "
-                       f"(--queue {self.max_queue}); retry later")
+            which = f"slot {want} is busy" if want is not None else f"all {len(self.slots)} slots are busy"
+            raise Busy(f"{which} and {self.n_waiting} requests are waiting (--queue {self.max_queue}); retry later")
         fut = self.loop.create_future()
-        self._waiters.append(fut)
+        entry = (fut, want)
+        self._waiters.append(entry)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -343,15 +349,19 @@ class SlotPool:
             raise
         finally:
             try:
-                self._waiters.remove(fut)
+                self._waiters.remove(entry)
             except ValueError:
                 pass
 
     def release(self, slot: Slot) -> None:
+        """Hand slot to the first waiter that can take it (it stays busy), else make it idle."""
         self._runs = {r for r in self._runs if r.slot is not slot}
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
+        for entry in list(self._waiters):
+            fut, want = entry
+            if fut.done():
+                self._waiters.remove(entry)
+            elif want in (None, slot.id):
+                self._waiters.remove(entry)
                 fut.set_result(slot)   # stays busy: handed over
                 return
         slot.busy = False
@@ -362,7 +372,7 @@ class SlotPool:
         self.closing = True
         n = 0
         while self._waiters:
-            fut = self._waiters.popleft()
+            fut, _ = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(ShuttingDown("the server is shutting down; this request was waiting for "
                                                "a slot and was not started", queued=True))

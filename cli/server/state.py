@@ -256,7 +256,8 @@ class ServerState:
         sampling, spec, n = self.sampling(req), self.spec(req.speculative), self.n_predict(n_predict)
         tokens = await self.prepare(prompt)
         return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs,
-                   cache_prompt=getattr(req, "cache_prompt", True), stream=bool(getattr(req, "stream", False)))
+                   cache_prompt=getattr(req, "cache_prompt", True), stream=bool(getattr(req, "stream", False)),
+                   id_slot=-1 if req.id_slot is None else req.id_slot)
 
     def settings(self, job: Job) -> dict:
         """The settings a job runs with, as llama-server's generation_settings (/completion, /slots)."""
