@@ -601,8 +601,8 @@ class Engine:
             self.kv_tokens.extend(chunk.tolist())
             return not cancel()
 
-        rows = None        # EAGLE-3 reads the target's rows of every prompt position: the fast context's
-        if fast and any(d.needs_hidden for d in drafters):
+        rows = None        # the rows a drafter reads at every prompt position (EAGLE-3's extract layers'
+        if fast and any(d.needs_hidden for d in drafters):   # inputs): the fast context's, as it evaluates
             def on_rows(pos0: int, features: np.ndarray) -> None:
                 tp = TargetPass(prompt[pos0:pos0 + len(features)], pos0, len(features), None, features)
                 for d in drafters:
