@@ -394,9 +394,9 @@ def test_auto_keeps_adaptive_ngrams_when_no_setting_is_predicted_faster(tiny_mtp
         assert engine.mtp_enabled
         spec = resolve_auto(engine, SpecParams(), engine.tokenize(FREE),
                             measure=injected_timings(2.0, {1: 2, 2: 4, 4: 8, 8: 16, 16: 32, 17: 34}, 2.0))
-    assert (spec.types, spec.ngram_size_n, spec.ngram_size_m, spec.adaptive) == (("ngram-simple",), 3, 16, True)
+    assert (spec.types, spec.ngram_size_n, spec.ngram_size_m, spec.adaptive) == (("ngram-simple",), 2, 16, True)
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.match(r"spec auto: ngram-simple size-n 3 size-m 16 longest match, adaptive: drafts only while they are predicted "
+    assert re.match(r"spec auto: ngram-simple size-n 2 size-m 16 longest match, adaptive: drafts only while they are predicted "
                     r"to pay on the text at hand; calibration: none: no speculative setting is predicted faster "
                     r"than ×1\.10; the best, (draft-mtp n-max 1, is ×0\.67 \(acceptance 1\.00|\S+ .*is ×1\.00 \()",
                     line), line
@@ -464,8 +464,8 @@ def test_auto_tries_every_ngram_type_and_runs_the_winner(smollm_path, capsys, wi
         spec = resolve_auto(engine, SpecParams(), prompt, measure=wins)
     said = capsys.readouterr().err.strip().splitlines()[-1]
     if builtin and winner != "ngram-mod":
-        assert spec.types == ("ngram-simple",) and (spec.ngram_size_n, spec.ngram_size_m) == (3, 16)
-        assert spec.adaptive and said.startswith("spec auto: ngram-simple size-n 3 size-m 16 longest match, adaptive")
+        assert spec.types == ("ngram-simple",) and (spec.ngram_size_n, spec.ngram_size_m) == (2, 16)
+        assert spec.adaptive and said.startswith("spec auto: ngram-simple size-n 2 size-m 16 longest match, adaptive")
     else:
         assert spec.types == (winner,) and not spec.adaptive
         assert said.startswith(f"spec auto: {winner}")
@@ -509,8 +509,8 @@ def test_auto_calibration_probes_every_ngram_type(smollm_path):
     got = {setting_name(p.spec): round(p.tokens_per_pass, 2) for p in choice.table}
     assert sorted(got) == ["ngram-cache", "ngram-map-k size-n 12 size-m 48", "ngram-map-k4v size-n 12 size-m 48",
                            "ngram-mod n-match 24 n-min 48 n-max 64", "ngram-simple size-n 12 size-m 48 longest match",
-                           "ngram-simple size-n 3 size-m 16 longest match"], got
-    assert got["ngram-cache"] > 1 and got["ngram-simple size-n 3 size-m 16 longest match"] > 1, got
+                           "ngram-simple size-n 2 size-m 16 longest match"], got
+    assert got["ngram-cache"] > 1 and got["ngram-simple size-n 2 size-m 16 longest match"] > 1, got
 
 
 def test_available_types(tiny_mtp, smollm_path):

@@ -9,7 +9,7 @@ setting with the best predicted speedup runs as it was calibrated; when none is
 predicted faster, or an ngram-simple setting won on the built-in prompt of chat and serve (not the
 request's text), ngram-simple stays on with --spec-draft-adaptive, which holds it back (0 rows, the
 engine scores its whole proposals instead) on text it does not predict. Every n-gram type of
-llama.cpp is a candidate (ngram-simple at the command's sizes and at n3 m16, ngram-map-k, -map-k4v,
+llama.cpp is a candidate (ngram-simple at the command's sizes and at n2 m16, ngram-map-k, -map-k4v,
 ngram-mod, ngram-cache), probed on the same prompt.
 """
 
@@ -28,9 +28,12 @@ from .prompts import PROMPTS
 
 # candidate draft lengths of the model drafters (a decode per drafted token); n-gram drafts are
 # copies of size_n..size_m tokens, so their candidates are (size_n, size_m) pairs: the command's
-# own and llama-server's usual "n3 m16"
+# own and n2 m16. With the longest match (below) a 2-token pattern pays more than llama-server's
+# usual n3: replayed on benchmarks/draft_length_replay.py's 39 texts with the adaptive length,
+# modeled x none 1.867 at n2 against 1.835 at n3 and 1.804 at n4 (Gemma 2.258 / 2.197, SmolLM2
+# 1.460 / 1.454); with llama.cpp's last occurrence n3 read 1.753
 AUTO_N_MAX = (1, 2, 3, 4, 6, 8)
-AUTO_NGRAM_SIZES = ((3, 16),)
+AUTO_NGRAM_SIZES = ((2, 16),)
 # ngram-simple's candidates copy from the earlier occurrence with the longest matching context
 # (kernels/drafters/ngram_simple.py; --spec-ngram-simple-match last keeps llama.cpp's last one)
 AUTO_NGRAM_MATCH = "longest"
@@ -79,7 +82,7 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
         engine.seed_pass_cost(verify.rows, verify.s)   # the adaptive length starts from this curve
     # an n-gram setting chosen on the request's own prompt runs as it was calibrated (the probes saw
     # this text pay); on the built-in prompt, ngram-simple goes adaptive (the setting that won, or
-    # n3 m16 when another n-gram type won there: the built-in text says little of the requests').
+    # n2 m16 when another n-gram type won there: the built-in text says little of the requests').
     # ngram-mod always runs as calibrated: its own n-min rule (a 48-token chain or nothing) keeps it
     # silent on text it does not predict, and cut drafts would count as rejected in its
     # low-acceptance reset
