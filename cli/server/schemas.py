@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -390,8 +390,10 @@ class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
     content: Text | list[AnthropicBlock]
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+def _block_text(content: str | list[AnthropicBlock]) -> str:
+    """A text, or the text of its blocks, joined."""
+    return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
 class MessagesRequest(_Controls):
@@ -424,28 +426,24 @@ class MessagesRequest(_Controls):
             raise unsupported("tools", _NO_TOOLS)
         return v
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v):
-        if v is not None and v.get("type") != "none":
-            raise unsupported("tool_choice", _NO_TOOLS)
-        return v
+    # the one "type" each of these objects may have here, and why
+    _ONLY_TYPE: ClassVar[dict[str, tuple[str, str]]] = {
+        "tool_choice": ("none", _NO_TOOLS),
+        "thinking": ("disabled", "it has no extended-thinking budget; the model answers as its chat template "
+                                 "makes it")}
 
-    @field_validator("thinking")
+    @field_validator("tool_choice", "thinking")
     @classmethod
-    def _no_thinking(cls, v):
-        if v is not None and v.get("type") != "disabled":
-            raise unsupported("thinking", "it has no extended-thinking budget; the model answers as its chat "
-                                          "template makes it")
+    def _only_type(cls, v, info):
+        allowed, why = cls._ONLY_TYPE[info.field_name]
+        if v is not None and v.get("type") != allowed:
+            raise unsupported(info.field_name, why)
         return v
 
     def chat(self) -> list[dict]:
         """The conversation as chat-template messages: the system prompt first."""
-        out = []
-        if self.system:
-            out.append({"role": "system", "content": self.system if isinstance(self.system, str)
-                        else "".join(b.text for b in self.system)})
-        return out + [{"role": m.role, "content": m.text()} for m in self.messages]
+        system = [{"role": "system", "content": _block_text(self.system)}] if self.system else []
+        return system + [{"role": m.role, "content": _block_text(m.content)} for m in self.messages]
 
 
 class LlamaCompletionRequest(_Controls):
