@@ -767,8 +767,8 @@ def test_load_8_clients_40_requests(server, load_expected):
     assert grown < 32, f"RSS grew by {grown:.1f} MiB over 40 requests"
 
 
-def _attempt(url: str, i: int) -> tuple[str, str]:
-    """Load request i (the mix of _ask) sent raw, and what came of it: ("ok", text) for a whole answer;
+def _attempt(client: httpx.Client, i: int) -> tuple[str, str]:
+    """Load request i (the mix of _ask) sent raw through client, and what came of it: ("ok", text) for a whole answer;
     ("503", code) for a JSON error or an SSE error event (then [DONE]); ("gone", why) when no response
     began (the server had stopped listening); ("broken", why) for anything else: a 5xx, a cut body or
     stream, a 200 without a finish reason."""
@@ -779,18 +779,17 @@ def _attempt(url: str, i: int) -> tuple[str, str]:
                   ("/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}),
                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": p}], "max_tokens": 12,
                                             "temperature": 0})][kind]
-    with httpx.Client(base_url=url, timeout=T) as client:
-        try:
-            cm = client.stream("POST", path, json=body)
-            r = cm.__enter__()
-        except httpx.TransportError as e:
-            return "gone", repr(e)
-        try:
-            raw = r.read().decode()
-        except httpx.TransportError as e:
-            return "broken", f"cut after the headers: {e!r}"
-        finally:
-            cm.__exit__(None, None, None)
+    try:
+        cm = client.stream("POST", path, json=body)
+        r = cm.__enter__()
+    except httpx.TransportError as e:
+        return "gone", repr(e)
+    try:
+        raw = r.read().decode()
+    except httpx.TransportError as e:
+        return "broken", f"cut after the headers: {e!r}"
+    finally:
+        cm.__exit__(None, None, None)
     if r.status_code == 503:
         return "503", r.json()["error"]["code"]
     if r.status_code != 200:
@@ -826,14 +825,17 @@ def test_load_through_sigterm(tmp_path, load_expected):
 
     def one(i: int) -> tuple[int, int, str, str, int]:
         nonlocal n_ok
-        with lock:
-            start = next(seq)
-        kind, what = _attempt(srv.url, i)
-        with lock:
-            end = next(seq)
-            n_ok += kind == "ok"
-            if n_ok == 12:
-                twelve.set()
+        # the client is built first (its SSL context takes tens of ms on a loaded machine): between
+        # `start` and the server seeing the request there is only the connect
+        with httpx.Client(base_url=srv.url, timeout=T) as client:
+            with lock:
+                start = next(seq)
+            kind, what = _attempt(client, i)
+            with lock:
+                end = next(seq)
+                n_ok += kind == "ok"
+                if n_ok == 12:
+                    twelve.set()
         return i, start, kind, what, end
 
     try:
@@ -866,20 +868,6 @@ def test_load_through_sigterm(tmp_path, load_expected):
     assert stopped["answered"] == kinds["ok"]
     assert stopped["queued"] + stopped["refused"] == kinds["503"]
     assert stopped["interrupted"] == 0 and kinds["ok"] >= 12
-
-
-def test_disconnect_mid_stream_frees_the_slot(server):
-    before = server.metrics()
-    with server.http.stream("POST", "/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 64,
-                                                             "temperature": 0, "stream": True}) as r:
-        for n, _ in enumerate(r.iter_lines()):
-            if n >= 4:
-                break
-    m = wait_for("the stream's run interrupted and its slot free", lambda: (m := server.metrics())
-                 and m["specrun_slots_busy"] == 0 and delta(m, before, "specrun_requests_interrupted_total") == 1
-                 and m)
-    assert delta(m, before, "specrun_tokens_generated_total") < 64
-    assert server.completion("The capital of France is", 4)["tokens_predicted"] >= 1
 
 
 def test_concurrent_streams_on_two_slots(server):

@@ -92,7 +92,7 @@ def test_health_answers_while_a_5mb_prompt_is_tokenized(faults):
     print(f"/health while tokenizing 5 MB: {len(during)} answers, median {statistics.median(during) * 1e3:.1f} ms, "
           f"max {max(during) * 1e3:.0f} ms")
     assert len(during) >= 3
-    assert statistics.median(during) < 0.1
+    assert statistics.median(during) < 0.5      # 0.7 ms here (a 2-core Xeon); 2.8 s on the event loop
 
 
 def test_body_above_max_body_is_413(faults):
@@ -153,6 +153,22 @@ def test_queued_request_whose_client_leaves_never_runs(faults):
     assert delta(m, before, "specrun_errors_total") == 0
 
 
+def test_disconnect_mid_stream_frees_the_slot(faults):
+    """A stream whose client leaves after 5 events: its run is interrupted and its slot freed (400
+    tokens asked: on a loaded machine the client's close must land before the run ends)."""
+    before = faults.metrics()
+    with faults.http.stream("POST", "/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 400,
+                                                             "temperature": 0, "stream": True}) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 4:
+                break
+    m = wait_for("the stream's run interrupted and its slot free", lambda: (m := faults.metrics())
+                 and m["specrun_slots_busy"] == 0 and delta(m, before, "specrun_requests_interrupted_total") == 1
+                 and m)
+    assert delta(m, before, "specrun_tokens_generated_total") < 400
+    assert faults.completion("The capital of France is", 4)["tokens_predicted"] >= 1
+
+
 def test_client_leaving_during_the_prompt_stops_it_at_a_chunk_boundary(faults):
     """A client leaves while its 1100-token prompt is being evaluated: the engine stops at the end of
     the chunk in progress, before any token; the chunks evaluated stay in the slot's cache, so the
@@ -209,10 +225,11 @@ def test_sigterm_drains_in_flight_and_refuses_the_rest(tmp_path):
     """Two requests generating, two queued: SIGTERM. The queued get 503 at once (before the others
     finish), a new request gets 503, the two in flight finish whole (the stream and the JSON answer
     have the same text), and the process exits 0 with its count of each."""
-    srv = ServerProcess(tmp_path, "-m", MODEL, "-c", "512", "-np", "2", "-t", "1", "--queue", "2", "-n", "200")
+    srv = ServerProcess(tmp_path, "-m", MODEL, "-c", "512", "-np", "2", "-t", "1", "--queue", "2", "-n", "400")
     try:
         req = Requests(srv)
-        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 150, "temperature": 0}
+        # 400 tokens: the two in flight outlast the test's setup around them on a loaded 2-core machine
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0}
         req.post("json", "/v1/completions", body)
         req.post("stream", "/v1/completions", {**body, "stream": True})
         wait_for("both on a slot", lambda: srv.metrics()["specrun_slots_busy"] == 2)
@@ -237,7 +254,7 @@ def test_sigterm_drains_in_flight_and_refuses_the_rest(tmp_path):
     status, _, raw = req.out["json"]
     answer = json.loads(raw)
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
-    assert answer["usage"]["completion_tokens"] == 150
+    assert answer["usage"]["completion_tokens"] == 400
     status, headers, raw = req.out["stream"]
     ev = events(raw)
     assert status == 200 and ev[-1] == "[DONE]"

@@ -219,12 +219,14 @@ class Run:
             except Exception:  # the context is unusable; the next request will say so
                 log.exception("could not reset slot %d", self.slot.id)
             result = e
-        self.result = result
-        self._post(self._end)
+        # the result and the slot's release in one step on the loop: /slots never shows a busy slot
+        # whose run has its result (has_next_token false while is_processing)
+        self._post(self._end, result)
         self._post(self._queue.put_nowait, result)
         self._pool.threads.discard(self.thread)
 
-    def _end(self) -> None:
+    def _end(self, result: Outcome | Exception) -> None:
+        self.result = result
         self._pool.release(self.slot)
         if not self.ended.done():
             self.ended.set_result(None)
