@@ -371,7 +371,7 @@ def terminal_chat(history, *args: str) -> pexpect.spawn:
 @pytest.mark.slow
 def test_terminal_session(tmp_path, smollm_path):
     hist = tmp_path / "history"
-    child = terminal_chat(hist, "--temp", "0", "-n", "48")
+    child = terminal_chat(hist, "--temp", "0", "-n", "400")   # the dragon story outlasts its ^C
     try:
         s = Screen(child)
         s.wait(r"chatting with SmolLM2-135M-Instruct\.Q4_1\.gguf; /help for commands")
