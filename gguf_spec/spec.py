@@ -62,6 +62,7 @@ _SCALAR_DTYPES = {int(k): np.dtype(v) for k, v in GGUFReader.gguf_scalar_to_np.i
 _INT_TYPES = frozenset(int(t) for t in (
     GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
     GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64))
+_NUMBER_TYPES = _INT_TYPES | {int(GGUFValueType.FLOAT32), int(GGUFValueType.FLOAT64)}
 _VALUE_TYPES = frozenset(int(t) for t in GGUFValueType)
 _QUANT_TYPES = frozenset(int(t) for t in GGMLQuantizationType)
 # "blk.{bid}.nextn.eh_proj", ... : the tensors that exist only in an MTP (NextN) block
@@ -368,13 +369,15 @@ def open_gguf(path: str | os.PathLike) -> BoundedReader:
 
 
 def _field(r: BoundedReader, key: str, kind: str) -> Any:
-    """The field of `key` if its type is `kind` ('int', 'bool', 'str', 'ints', 'strs'); None when absent."""
+    """The field of `key` if its type is `kind` ('int', 'number' (an int or float scalar), 'bool',
+    'str', 'ints', 'strs'); None when absent."""
     f = r.fields.get(key)
     if f is None:
         return None
     types = [int(t) for t in f.types]
     ok = {
         "int": types[:1] and types[0] in _INT_TYPES,
+        "number": len(types) == 1 and types[0] in _NUMBER_TYPES,
         "bool": types == [int(GGUFValueType.BOOL)],
         "str": types == [int(GGUFValueType.STRING)],
         "ints": types[:1] == [_ARRAY] and (len(types) == 1 or types[1] in _INT_TYPES),
@@ -382,7 +385,7 @@ def _field(r: BoundedReader, key: str, kind: str) -> Any:
     }[kind]
     if not ok:
         names = "/".join(GGUFValueType(t).name for t in types)
-        raise _Corrupt(f"metadata {key} has type {names}, expected {kind}")
+        raise _Corrupt(f"metadata {key} has type {names}, expected {'a number' if kind == 'number' else kind}")
     return f
 
 
@@ -392,7 +395,7 @@ def _value(r: BoundedReader, key: str, kind: str) -> Any:
     if f is None:
         return None
     v = f.contents()
-    return int(v) if kind == "int" else bool(v) if kind == "bool" else v
+    return int(v) if kind == "int" else float(v) if kind == "number" else bool(v) if kind == "bool" else v
 
 
 def _int_or_max(r: BoundedReader, key: str) -> int | None:
@@ -484,17 +487,6 @@ def _layout(r: BoundedReader) -> tuple[str, int | None, int]:
     return arch, block_count, nextn
 
 
-def _number(r: BoundedReader, key: str) -> float | None:
-    """A scalar number of any int or float type (None when absent)."""
-    f = r.fields.get(key)
-    if f is None:
-        return None
-    types = [int(t) for t in f.types]
-    if len(types) != 1 or types[0] not in _INT_TYPES | {int(GGUFValueType.FLOAT32), int(GGUFValueType.FLOAT64)}:
-        raise _Corrupt(f"metadata {key} has type {'/'.join(GGUFValueType(t).name for t in types)}, expected a number")
-    return float(f.contents())
-
-
 def _hparams(r: BoundedReader, arch: str) -> None:
     """The hyperparameters llama.cpp checks with GGML_ASSERT, which aborts the whole process, while
     it loads the file (llama-model.cpp load_hparams: the expert counts) or at the first decode (a
@@ -505,11 +497,11 @@ def _hparams(r: BoundedReader, arch: str) -> None:
 
     for key in r.fields:
         if key.startswith(f"{arch}.") and key.endswith("epsilon"):
-            eps = _number(r, key)
+            eps = _value(r, key, "number")
             if not 0.0 <= eps < math.inf:
                 raise bad(key, eps, "a finite number >= 0 (it aborts the process at the first token otherwise)")
     base_key = Keys.Rope.FREQ_BASE.format(arch=arch)
-    base = _number(r, base_key)
+    base = _value(r, base_key, "number")
     if base is not None and not 0.0 < base < math.inf:
         raise bad(base_key, base, "a finite number > 0 (every logit is NaN otherwise)")
     k_expert = Keys.LLM.EXPERT_COUNT.format(arch=arch)
