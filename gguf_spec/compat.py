@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import IncompatibleDraft
 from .spec import ModelSpec, Vocab
 
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
@@ -61,13 +60,6 @@ def check_draft_compatible(target: ModelSpec, draft: ModelSpec) -> Compat:
     if problems:
         return Compat(False, "; ".join(problems) + f"; {_FIX}")
     return Compat(True)
-
-
-def require_draft_compatible(target: ModelSpec, draft: ModelSpec) -> None:
-    """raises: IncompatibleDraft with the reason (naming both files) when check_draft_compatible fails."""
-    c = check_draft_compatible(target, draft)
-    if not c.ok:
-        raise IncompatibleDraft(f"draft {draft.path.name} cannot draft for {target.path.name}: {c.reason}")
 
 
 def check_mtp_heads_compatible(target: ModelSpec, heads: ModelSpec) -> Compat:

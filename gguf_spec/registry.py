@@ -64,17 +64,6 @@ def _import(m: KnownModel):
         ) from None
 
 
-def _sha256(path: Path, progress: Progress | None = None, total: int = 0) -> str:
-    h, done = hashlib.sha256(), 0
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-            done += len(block)
-            if progress:
-                progress(done, total)
-    return h.hexdigest()
-
-
 def _assemble_gemma(m: KnownModel, progress: Progress | None) -> Path:
     mod = _import(m)
     out = cache_dir() / m.filename
@@ -135,10 +124,6 @@ def _packaged_file(m: KnownModel, progress: Progress | None) -> Path:
 
 
 _RESOLVERS = {"gemma-3-270m": _assemble_gemma, "smollm2-135m-instruct": _packaged_file}
-
-
-def is_known(name: str) -> bool:
-    return name in KNOWN_MODELS
 
 
 def resolve_model(name_or_path: str | os.PathLike, progress: Progress | None = None) -> Path:

@@ -7,8 +7,7 @@ import dataclasses
 import gguf
 import pytest
 
-from specrun.gguf_spec.compat import check_draft_compatible, require_draft_compatible
-from specrun.gguf_spec.errors import IncompatibleDraft
+from specrun.gguf_spec.compat import check_draft_compatible
 from specrun.gguf_spec.extract import extract_mtp, extract_trunk
 from specrun.gguf_spec.spec import (
     TRUNK_PROBE,
@@ -175,8 +174,7 @@ def test_compat_smollm_draft_for_gemma_gives_the_numbers(gemma, smollm):
     assert "draft vocab type BPE (gpt2) differs from target's SPM (llama)" in c.reason
     assert "draft BOS (add false, id 1) differs from target's (add true, id 2)" in c.reason
     assert c.reason.endswith("; use a draft from the same model family")
-    with pytest.raises(IncompatibleDraft, match="cannot draft for gemma-3-270m-q4_k_m.gguf: draft vocab"):
-        require_draft_compatible(gemma, smollm)
+    assert c.reason.startswith("draft vocab")
 
 
 @slow
@@ -184,7 +182,6 @@ def test_compat_model_with_itself(gemma, smollm):
     assert check_draft_compatible(gemma, gemma).ok
     assert check_draft_compatible(smollm, smollm).ok
     assert check_draft_compatible(smollm, smollm).reason is None
-    require_draft_compatible(smollm, smollm)
 
 
 def _with_vocab(spec: ModelSpec, **kw) -> ModelSpec:
