@@ -30,7 +30,7 @@ LLAMA_BUILD_OK := import glob, os, re, sys, llama_cpp as L; \
 	         or any((k in have) != (v == 'ON') for k, v in want.items() if k in shown))
 RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-adaptive -n 128 --temp 0 -f $(PROMPT_FILE)
 
-.PHONY: install run test test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-pass-times bench-rpc bench-peers peers-server lint clean
+.PHONY: install run test test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-pass-times bench-rpc bench-peers bench-exact-peers bench-same-text bench-slots bench-prompt-kernels peers-server lint clean
 
 install: $(STAMP)
 
@@ -52,6 +52,7 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Each bench-* target rewrites its own files in benchmarks/results (docs/benchmarks.md reads them).
 bench: install
 	$(BIN)/python benchmarks/bench_spec.py
 
@@ -69,7 +70,7 @@ bench-copy-bound: install
 
 # local against two loopback `specrun rpc-worker`s, with 0/1/5/20 ms of added round-trip latency
 bench-rpc: install
-	$(BIN)/python benchmarks/rpc_bench.py --readme
+	$(BIN)/python benchmarks/rpc_bench.py --docs
 
 # `make bench-peers`: specrun serve against llama.cpp's own llama-server, built once from the same
 # llama-cpp-python sdist the project pins (the binary is cached under build/peers; delete it to rebuild).
@@ -77,7 +78,7 @@ bench-rpc: install
 PEERS_DIR     := build/peers
 PEERS_SRC     := $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
 LLAMA_SERVER  := $(PEERS_DIR)/cmake/bin/llama-server
-PEERS_ARGS    ?= --readme
+PEERS_ARGS    ?= --docs
 PEERS_CMAKE_FLAGS := $(CPU_CMAKE_FLAGS) -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
 
 peers-server: $(LLAMA_SERVER)
@@ -98,6 +99,22 @@ bench-peers: install $(LLAMA_SERVER)
 PASS_ARGS ?=
 bench-pass-times: install $(LLAMA_SERVER)
 	$(BIN)/python benchmarks/pass_times.py $(PASS_ARGS)
+
+# specrun beside llama-server twice: with its defaults and with exact mode's flags (text or engine)
+bench-exact-peers: install $(LLAMA_SERVER)
+	$(BIN)/python benchmarks/exact_peers.py
+
+# specrun's settings on llama-server's own texts, taken from benchmarks/results/peers.json
+bench-same-text: install
+	$(BIN)/python benchmarks/same_text.py
+
+# two server slots: one request alone, two at once, then alone again
+bench-slots: install $(LLAMA_SERVER)
+	$(BIN)/python benchmarks/slots.py
+
+# the fast prompt path with llama.cpp's tiled K-quant matmul on and off
+bench-prompt-kernels: install
+	$(BIN)/python benchmarks/prompt_kernels.py
 
 lint: install
 	$(BIN)/ruff check gguf_spec kernels cli tests benchmarks

@@ -11,7 +11,7 @@ Setups (greedy, 2 threads, exact mode unless stated):
     exact head, f16 noisy head sigma 0.1, q8_0 exact head): none vs draft-mtp at n-max 1, 3, 5.
 Reports generation tokens/s (median over reps), the ratio to `none` of the same setup and prompt,
 acceptance rate, mean accepted length, tokens per target pass, and whether the tokens equal
-`none`'s. Prints a markdown table; writes all numbers as JSON.
+`none`'s. Prints a markdown table; writes all numbers as JSON and the table next to it (.md).
 """
 
 from __future__ import annotations
@@ -306,6 +306,7 @@ def main() -> None:
         results += part
         print(table(part) + "\n", flush=True)                       # each section as it finishes
         out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        out.with_suffix(".md").write_text(table(results) + "\n")
 
 
 if __name__ == "__main__":

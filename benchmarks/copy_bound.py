@@ -14,9 +14,10 @@ occurrence in the context of the last `n` tokens (any position at all for n = 0)
 with the most tokens per second for that pass, up to exact mode's 62. No n-gram drafter with that
 match length drafts more text that is accepted; any other cut only pays more rows. The columns:
 ngram-simple n3 m16 replayed as the engine runs it, the bound at n = 3, 2, 1, 0, and the "needed"
-speed-up: llama-server's best of peers.PEER_SETTINGS ÷ specrun's `none`, in tok/s, from an
-exact_peers.py run (--peers). A bound under "needed" means no copy drafter reaches llama-server on
-that text; the modeled × none leaves out per-pass overheads, so it reads high, never low.
+speed-up: llama-server's best of peers.PEER_SETTINGS ÷ specrun's `none`, in tok/s, from a
+peers.py or exact_peers.py run (--peers; default: the peers table's run, which has every workload).
+A bound under "needed" means no copy drafter reaches llama-server on that text; the modeled
+× none leaves out per-pass overheads, so it reads high, never low.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def copy_bound(prompt: list[int], gen: list[int], curve: dict[int, float], match
 
 
 def needed(peers_json: Path) -> dict[str, float]:
-    """{workload: llama-server's best tok/s ÷ specrun's none tok/s} from an exact_peers.py run."""
+    """{workload: llama-server's best tok/s ÷ specrun's none tok/s} from a peers.py or exact_peers.py run."""
     rows = summarize(json.loads(peers_json.read_text())["requests"])
     by = {(r["workload"], r["setting"], r["system"]): r for r in rows}
     out = {}
@@ -86,8 +87,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="free,code-rewrite,verbatim,json-table,chat-reuse,code-rewrite-smollm2")
     ap.add_argument("-n", "--n-predict", type=int, default=128, help="as the peers requests")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--peers", default=str(RESULTS / "exact_peers_epyc.json"),
-                    help="an exact_peers.py run, for the needed column")
+    ap.add_argument("--peers", default=str(RESULTS / "peers.json"),
+                    help="a peers.py or exact_peers.py run, for the needed column")
     ap.add_argument("--out", default=str(RESULTS / "copy_bound.json"))
     args = ap.parse_args()
     names = [w for w in args.workloads.split(",") if w]

@@ -1,12 +1,12 @@
 """specrun serve against llama.cpp's own llama-server: the same /completion requests to both.
 
     python benchmarks/peers.py --llama-server build/peers/cmake/bin/llama-server [--reps 3] [-n 128]
-        [--workloads free,code-rewrite] [--settings none,ngram-simple] [--readme]
-    python benchmarks/peers.py --from-json benchmarks/results/peers.json --readme   # re-render, no run
-    python benchmarks/peers.py --table spec --readme     # the spec table: n-gram family and draft-eagle3
+        [--workloads free,code-rewrite] [--settings none,ngram-simple] [--docs]
+    python benchmarks/peers.py --from-json benchmarks/results/peers.json --docs   # re-render, no run
+    python benchmarks/peers.py --table spec --docs     # the spec table: n-gram family and draft-eagle3
 
 `make bench-peers` builds llama-server once (build/peers/) from the llama-cpp-python sdist the
-project pins, so both servers run the same llama.cpp, and runs this with --readme.
+project pins, so both servers run the same llama.cpp, and runs this with --docs.
 
 Both servers run on 127.0.0.1, 2 threads, a 4096-token context, one slot. Per model and setting:
 start both, wait for /health, send every workload once to each (warm-up), then --reps rounds; in a
@@ -22,10 +22,10 @@ under build/peers/models (a 24-layer llama bigram target, n_embd 512, q8_0, and 
 f16: llama.cpp accepts every greedy draft at any n-max), with the same -md flags for both servers. Speeds are each server's own `timings` (prompt_per_second, predicted_per_second),
 median over the reps; `× none` is a system's median over its own `none` median, `= none` whether
 every rep's text equals that system's own `none` text. Writes benchmarks/results/peers.json (every
-request) and peers.md (the table); --readme puts the table between README.md's peers markers.
+request) and peers.md (the table); --docs puts the table between docs/benchmarks.md's peers markers.
 
 `--table spec` (issue 15, item 4) is a second table from a second run, with its own results
-(benchmarks/results/spec_peers.json / .md) and README markers (spec-peers), so neither run can
+(benchmarks/results/spec_peers.json / .md) and markers (spec-peers), so neither run can
 wipe the other's rows: llama.cpp's n-gram family (ngram-simple, ngram-map-k, ngram-map-k4v,
 ngram-mod, ngram-cache, each with llama.cpp's default flags, the same to both servers) on the
 input-grounded workloads, and draft-eagle3 at n-max 3 to 47 (EAGLE3_N_MAX) on the synthetic pair. Besides
@@ -62,6 +62,7 @@ PROMPTS = ROOT / "benchmarks" / "prompts"
 RESULTS = ROOT / "benchmarks" / "results"
 LOGS = ROOT / "build" / "peers" / "logs"
 MODELS = ROOT / "build" / "peers" / "models"
+DOCS = ROOT / "docs" / "benchmarks.md"       # the page whose marker blocks --docs rewrites
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 SPEC_BEGIN, SPEC_END = "<!-- spec-peers:begin -->", "<!-- spec-peers:end -->"
 MTP_BEGIN, MTP_END = "<!-- mtp-peers:begin -->", "<!-- mtp-peers:end -->"
@@ -141,7 +142,7 @@ SETTINGS = (
 @dataclass(frozen=True)
 class Table:
     name: str
-    begin: str                   # README markers
+    begin: str                   # markers in docs/benchmarks.md
     end: str
     out: str                     # under benchmarks/results/: the run's JSON (the markdown: .md next to it)
     workloads: tuple[str, ...]   # what a run for this table measures unless --workloads / --settings say
@@ -754,10 +755,10 @@ def cpu_model() -> str:
 
 
 def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
-    """README text with everything between the markers `begin` and `end` replaced by `block`."""
+    """`text` (a page) with everything between the markers `begin` and `end` replaced by `block`."""
     i, j = text.find(begin), text.find(end)
     if i < 0 or j < i:
-        raise SystemExit(f"README.md has no {begin} ... {end} block")
+        raise SystemExit(f"no {begin} ... {end} block in the page")
     return text[:i + len(begin)] + "\n" + block + text[j:]
 
 
@@ -770,7 +771,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--table", choices=sorted(TABLES), default="peers",
-                    help="peers: speed against llama-server (README's peers markers, results/peers.json); spec: "
+                    help="peers: speed against llama-server (peers markers, results/peers.json); spec: "
                          "n-gram family and draft-eagle3 with acceptance and tokens per pass (spec-peers markers, "
                          "results/spec_peers.json); mtp: draft-mtp on the synthetic qwen35, as spec (mtp-peers markers, "
                          "results/mtp_peers.json). Sets the defaults of --workloads, --settings and --out")
@@ -787,7 +788,7 @@ def main(argv: list[str] | None = None) -> None:
                          "of the CPUs while it ran")
     ap.add_argument("--out", help="JSON; the markdown goes next to it (.md) (default: the table's, in benchmarks/results)")
     ap.add_argument("--from-json", help="render an earlier run's JSON (its .md next to it) instead of measuring")
-    ap.add_argument("--readme", action="store_true", help="put the table between README.md's peers markers")
+    ap.add_argument("--docs", action="store_true", help="put the table between its markers in docs/benchmarks.md")
     args = ap.parse_args(argv)
     table = TABLES[args.table]
     args.out = args.out or str(RESULTS / table.out)
@@ -814,11 +815,10 @@ def main(argv: list[str] | None = None) -> None:
     md = (markdown if table.name == "peers" else spec_markdown)(data)
     Path(args.from_json or args.out).with_suffix(".md").write_text(md)
     print(md)
-    if args.readme:                                 # only this table's block: the other table's rows stay
-        readme = ROOT / "README.md"
-        readme.write_text(replace_block(readme.read_text(encoding="utf-8"), md, table.begin, table.end),
-                          encoding="utf-8")
-        print(f"[peers] README.md: the table between {table.begin} and {table.end} replaced", file=sys.stderr)
+    if args.docs:                                   # only this table's block: the other tables' rows stay
+        DOCS.write_text(replace_block(DOCS.read_text(encoding="utf-8"), md, table.begin, table.end), encoding="utf-8")
+        print(f"[peers] {DOCS.relative_to(ROOT)}: the table between {table.begin} and {table.end} replaced",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Speculative decoding over llama.cpp's RPC backend: local against two loopback workers.
 
-    python benchmarks/rpc_bench.py [--reps 3] [-n 96] [--latency 0,1,5,20] [--readme]
+    python benchmarks/rpc_bench.py [--reps 3] [-n 96] [--latency 0,1,5,20] [--docs]
 
 The model is the realistic MTP test model (`specrun make-test-model --shape realistic`: qwen35, 24
 trunk layers, n_embd 512, q8_0, exact head), written once under build/rpc-bench. Settings: none,
@@ -15,8 +15,8 @@ replies (each a framed message: u64 size, payload), which the client waits for o
 
 Reports generation tokens/s (median of --reps, after one warm-up), x none within the condition,
 tokens/s against local none, round trips per generated token, and whether the tokens equal local
-none's. Writes benchmarks/results/rpc.json and rpc.md; --readme puts the table between README.md's
-rpc markers. On this 2-core machine the workers and the client share the same cores, so the
+none's. Writes benchmarks/results/rpc.json and rpc.md; --docs puts the table between
+docs/benchmarks.md's rpc markers. On this 2-core machine the workers and the client share the same cores, so the
 latency columns are the honest part: what the network adds, and how much of it a verify pass of
 k+1 rows pays once for up to k+1 tokens.
 """
@@ -39,7 +39,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from peers import cpu_model, replace_block  # benchmarks/peers.py, beside this script
+from peers import DOCS, cpu_model, replace_block  # benchmarks/peers.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "rpc-bench"
@@ -258,7 +258,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--latency", default="0,1,5,20", help="added round-trip latencies in ms (0: direct)")
     ap.add_argument("--specrun", default=str(Path(sys.executable).with_name("specrun")))
-    ap.add_argument("--readme", action="store_true")
+    ap.add_argument("--docs", action="store_true", help="put the table between its markers in docs/benchmarks.md")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--heads", help=argparse.SUPPRESS)
@@ -292,9 +292,8 @@ def main() -> None:
     md = render(res)
     (RESULTS / "rpc.md").write_text(md)
     print(md)
-    if args.readme:
-        readme = ROOT / "README.md"
-        readme.write_text(replace_block(readme.read_text(encoding="utf-8"), md, BEGIN, END), encoding="utf-8")
+    if args.docs:
+        DOCS.write_text(replace_block(DOCS.read_text(encoding="utf-8"), md, BEGIN, END), encoding="utf-8")
 
 
 if __name__ == "__main__":

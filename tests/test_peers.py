@@ -1,6 +1,6 @@
 """benchmarks/peers.py (specrun serve vs llama-server): the table's medians, ratios and `= none`
 column from fake timings, the spec table (acceptance, tokens per pass, a failed server, the EAGLE-3
-goals) from a small fixed JSON, the README block replacement, and that every workload's prompt file
+goals) from a small fixed JSON, the docs page's block replacement, and that every workload's prompt file
 is there. Nothing here starts a server or asserts a measured time."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_auto_runs_beside_llama_servers_best_and_is_judged_against_that_block():
     assert "`auto` ≥ llama-server's best of {none, ngram-simple, ngram-simple n3 m16}: 1 of 1 workloads;" in md
 
 
-def test_readme_block_is_replaced_and_required():
+def test_docs_block_is_replaced_and_required():
     text = f"# t\n\nbefore\n{peers.BEGIN}\nold table\n{peers.END}\nafter\n"
     new = peers.replace_block(text, "| new |\n")
     assert new == f"# t\n\nbefore\n{peers.BEGIN}\n| new |\n{peers.END}\nafter\n"
@@ -98,8 +98,8 @@ def test_readme_block_is_replaced_and_required():
         peers.replace_block("no markers", "x")
 
 
-def test_readme_has_the_markers_once():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_docs_have_the_markers_once():
+    text = peers.DOCS.read_text(encoding="utf-8")
     assert text.count(peers.BEGIN) == 1 and text.count(peers.END) == 1
 
 
@@ -259,8 +259,8 @@ def test_each_table_replaces_only_its_own_block():
     assert peers.TABLES["peers"].out != t.out
 
 
-def test_readme_has_the_spec_markers_once_after_the_peers_table():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_docs_have_the_spec_markers_once_after_the_peers_table():
+    text = peers.DOCS.read_text(encoding="utf-8")
     assert text.count(peers.SPEC_BEGIN) == 1 and text.count(peers.SPEC_END) == 1
     assert text.index(peers.END) < text.index(peers.SPEC_BEGIN) < text.index(peers.SPEC_END)
 
@@ -321,6 +321,14 @@ def test_mtp_verdict_per_n_max():
     assert "best EAGLE-3" not in md
 
 
-def test_readme_has_the_mtp_markers_once():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_docs_have_the_mtp_markers_once():
+    text = peers.DOCS.read_text(encoding="utf-8")
     assert text.count(peers.MTP_BEGIN) == 1 and text.count(peers.MTP_END) == 1
+
+
+def test_docs_have_the_rpc_markers_once():
+    spec = importlib.util.spec_from_file_location("rpc_bench", ROOT / "benchmarks" / "rpc_bench.py")
+    rpc_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rpc_bench)                  # imports `peers`, loaded above
+    text = peers.DOCS.read_text(encoding="utf-8")
+    assert text.count(rpc_bench.BEGIN) == 1 and text.count(rpc_bench.END) == 1
