@@ -6,6 +6,7 @@ import click
 
 from .repl import Conversation, chat_loop
 from .runtime.console import handle_errors
+from .runtime.help import SectionedCommand
 from .runtime.options import (
     DEFAULT_CHAT_MODEL,
     chat_options,
@@ -17,7 +18,7 @@ from .runtime.options import (
 )
 
 
-@click.command("chat")
+@click.command("chat", cls=SectionedCommand)
 @model_options(default=DEFAULT_CHAT_MODEL)
 @spec_options
 @sampling_options

@@ -14,6 +14,32 @@ import click
 
 from specrun.gguf_spec.registry import DEFAULT_MODEL, KNOWN_MODELS
 
+from .runtime.help import OTHER, write_sections
+
+# `specrun --help`: the commands by section, in this order, each with one line (a command not
+# listed here shows under Other, with the first sentence of its help).
+COMMAND_SECTIONS: dict[str, dict[str, str]] = {
+    "Generate": {
+        "run": "Generate text from a prompt (the default command)",
+        "chat": "Chat with a model in the terminal",
+        "serve": "Serve a model over HTTP (OpenAI and Anthropic APIs)",
+    },
+    "Measure": {
+        "bench": "Compare spec settings on one model: tokens/s, acceptance",
+        "check-exact": "Check that verify batches give one-token decoding's logits",
+    },
+    "Models": {
+        "inspect": "Show what a GGUF holds, and whether a draft fits it",
+        "export": "Print this setup as a vLLM, SGLang or llama-server command",
+        "extract-mtp": "Write a model's MTP heads as a GGUF of their own",
+        "quantize": "Quantize a GGUF with llama.cpp's quantizer (e.g. Q4_K_M)",
+        "make-test-model": "Write a synthetic qwen35 GGUF with MTP heads, for tests",
+    },
+    "Distributed": {
+        "rpc-worker": "Serve this CPU to --rpc clients (llama.cpp's rpc-server)",
+    },
+}
+
 
 class DefaultGroup(click.Group):
     """A group that treats an unknown first argument (e.g. `-m`) as the start of `run`'s args."""
@@ -26,6 +52,17 @@ class DefaultGroup(click.Group):
         if args and args[0] in self.commands:
             refuse_unknown_multiletter(ctx, args[0], self.commands[args[0]], args[1:])
         return super().parse_args(ctx, args)
+
+    def format_options(self, ctx, formatter):
+        """The group's options, then its commands by COMMAND_SECTIONS, one line each, in one column."""
+        options = [r for p in self.get_params(ctx) if (r := p.get_help_record(ctx)) is not None]
+        commands = {n: c for n in self.list_commands(ctx) if (c := self.get_command(ctx, n)) and not c.hidden}
+        limit = formatter.width - 6 - max(map(len, commands), default=0)
+        lines = {n: line for section in COMMAND_SECTIONS.values() for n, line in section.items()}
+        other = {n: c.get_short_help_str(limit) for n, c in commands.items() if n not in lines}
+        write_sections(formatter, [("Options", options), *(
+            (title, [(n, lines.get(n) or other[n]) for n in names if n in commands])
+            for title, names in (*COMMAND_SECTIONS.items(), (OTHER, other)))])
 
 
 _NUMBER = re.compile(r"-\d|-\.\d")

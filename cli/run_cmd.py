@@ -26,6 +26,7 @@ from .runtime.console import (
     note,
     setup_logging,
 )
+from .runtime.help import SectionedCommand
 from .runtime.loading import open_engine
 from .runtime.options import (
     AUTO,
@@ -45,14 +46,15 @@ _CHAT_FLAGS = {"system_prompt": "-sys", "system_prompt_file": "-sysf", "single_t
                "chat_template": "--chat-template", "chat_template_file": "--chat-template-file"}
 
 
-@click.command("run")
+@click.command("run", cls=SectionedCommand)
 @model_options
 @spec_options
 @sampling_options
 @chat_options
 @click.option("-p", "--prompt", default=None, help="the prompt text")
 @click.option("-f", "--file", "file", default=None, help="read the prompt from a file (- for stdin)")
-@click.option("-e", "--escape/--no-escape", "escape", default=True, show_default=True,
+# --escape first: click's help names the default by the first flag ("[default: e]" with -e first)
+@click.option("--escape/--no-escape", "-e", "escape", default=True, show_default=True,
               help="process escapes (\\n, \\r, \\t, \\', \\\", \\\\, \\xNN) in -p/-f and -r, as llama.cpp")
 @click.option("-r", "--reverse-prompt", "reverse_prompt", multiple=True, metavar="PROMPT",
               help="stop when the text reaches PROMPT (printed, as llama.cpp; repeatable)")
