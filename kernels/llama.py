@@ -51,61 +51,92 @@ class LlamaError(SpecrunError):
 # ---- logging ---------------------------------------------------------------------------------
 
 _llama_log = logging.getLogger("llama.cpp")
-
-
 _GGML_LOG_ERROR = 4
-_last_error: list[str] = []   # llama.cpp's error lines since the last clear: why a load or init failed
-# what the KV caches of the context being created said of their Hadamard rotation (quantized caches):
-# "attn_rot_k = 1, n_embd_head_k_all = 64" -> {"k": (1, 64)}; read by Context.__init__
-_kv_rot_said: dict[str, tuple[int, int]] = {}
+_LOAD_ERROR = "error loading model: "
+_now = threading.local()   # .heard: the _Heard of the call running on this thread, or None
+
+
+class _Heard:
+    """What llama.cpp logs on this thread inside ``with _Heard() as heard:`` (one call: a model load,
+    a context creation, an encode): its error lines, the latest 8, which say why the call failed; and
+    the lines that state what its API does not return (the sizes of the buffers it allocated, the KV
+    cache's Hadamard rotation, the file's tensor types), read by the methods below."""
+
+    __slots__ = ("errors", "facts", "_outer")
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.facts: list[str] = []
+        self._outer: _Heard | None = None
+
+    def __enter__(self) -> _Heard:
+        self._outer = getattr(_now, "heard", None)
+        _now.heard = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _now.heard = self._outer
+
+    def reason(self) -> str:
+        """'; llama.cpp says: ...' for the error lines heard, or '': the reason of "llama_model_load:
+        error loading model: REASON" when there is one (the line after it, "failed to load model",
+        says nothing more), else the latest line."""
+        said = [line.split(_LOAD_ERROR, 1)[1] for line in self.errors if _LOAD_ERROR in line]
+        return f"; llama.cpp says: {(said or self.errors)[-1]}" if self.errors else ""
+
+    def weight_buffers_mib(self) -> dict[str, float]:
+        """MiB of each weight buffer a model load allocated, by buffer name: "CPU_Mapped" (the
+        file's pages), "CPU_REPACK" (weights copied into repacked layouts), ... (llama-model.cpp
+        "CPU_Mapped model buffer size =   96.00 MiB")."""
+        mib: dict[str, float] = {}
+        for m in filter(None, map(_BUF_LINE.search, self.facts)):
+            mib[m.group(1)] = mib.get(m.group(1), 0.0) + float(m.group(2))
+        return mib
+
+    def tensor_types(self) -> dict[str, int]:
+        """Tensors of each ggml type in the file a model load read, in ggml's type order
+        (llama-model-loader.cpp "- type q6_K:    9 tensors" -> {"Q6_K": 9}). llama.cpp's API has no
+        count of them, and gguf_spec's reader parses every metadata field (a whole vocabulary) first."""
+        return {m.group(1).upper(): int(m.group(2)) for m in filter(None, map(_TYPE_LINE.search, self.facts))}
+
+    def kv_buffers_mib(self) -> float:
+        """MiB of the KV buffers a context creation allocated (an iSWA model's two caches summed;
+        llama-kv-cache.cpp "CPU KV buffer size =    4.50 MiB")."""
+        return sum(float(m.group(1)) for m in filter(None, map(_KV_LINE.search, self.facts)))
+
+    def kv_rot(self) -> tuple[int, int]:
+        """The Hadamard block sizes (K, V) a context creation's KV cache rotates its rows in; 0: not
+        rotated. llama-kv-cache.cpp rotates quantized rows: K in blocks of the largest power of two
+        >= 64 dividing the head size, V in blocks of 64; it says so in "attn_rot_k = 1,
+        n_embd_head_k_all = 64". An iSWA model has two caches: the last one's lines count (its SWA
+        cache's)."""
+        said = {m.group(1): (int(m.group(2)), int(m.group(3)))
+                for m in filter(None, map(_ROT_LINE.search, self.facts))}
+        rot_k, head_k = said.get("k", (0, 0))
+        return (_k_rot_block(head_k) if rot_k else 0, 64 if said.get("v", (0, 0))[0] else 0)
+
+
 _ROT_LINE = re.compile(r"attn_rot_([kv]) = (\d+), n_embd_head_k_all = (-?\d+)")
-_kv_said: list[float] = []   # MiB of the KV buffers of the context being created (iSWA: two)
 _KV_LINE = re.compile(r"KV buffer size =\s*([\d.]+) MiB")
-_bufs_said: dict[str, float] = {}   # MiB of each weight buffer of the model being loaded: {"CPU_REPACK": 96.0, ...}
 _BUF_LINE = re.compile(r"(\S+) model buffer size =\s*([\d.]+) MiB")
-_types_said: dict[str, int] = {}   # tensors of each ggml type in the file being loaded: {"Q6_K": 9, ...}
 _TYPE_LINE = re.compile(r"- type\s+(\w+):\s*(\d+) tensors")
 
 
 @L.llama_log_callback
 def _log_callback(level, text, user_data):  # pragma: no cover - called from C
-    """llama.cpp's own log goes to the `llama.cpp` logger at INFO (shown with -v); its latest error
-    lines are kept to explain a failed load or context."""
-    if b"attn_rot_" in text:
-        m = _ROT_LINE.search(text.decode("ascii", errors="replace"))
-        if m:
-            _kv_rot_said[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-    elif b"KV buffer size =" in text:
-        m = _KV_LINE.search(text.decode("ascii", errors="replace"))
-        if m:
-            _kv_said.append(float(m.group(1)))
-    elif b"- type " in text:
-        m = _TYPE_LINE.search(text.decode("ascii", errors="replace"))
-        if m:
-            _types_said[m.group(1).upper()] = int(m.group(2))
-    elif b"model buffer size =" in text:
-        m = _BUF_LINE.search(text.decode("ascii", errors="replace"))
-        if m:
-            _bufs_said[m.group(1)] = _bufs_said.get(m.group(1), 0.0) + float(m.group(2))
+    """llama.cpp's own log goes to the `llama.cpp` logger at INFO (shown with -v); inside a _Heard
+    block on this thread, its error lines and its lines of sizes and rotation are kept there."""
+    heard = getattr(_now, "heard", None)
+    if heard is not None and (b" buffer size =" in text or b"attn_rot_" in text or b"- type " in text):
+        heard.facts.append(text.decode("ascii", errors="replace"))
     if level == _GGML_LOG_ERROR or _llama_log.isEnabledFor(logging.INFO):
         msg = text.decode("utf-8", errors="replace").strip()
-        if msg and level == _GGML_LOG_ERROR:
-            _last_error[:] = [*_last_error[-7:], msg]
+        if msg and level == _GGML_LOG_ERROR and heard is not None:
+            heard.errors[:] = [*heard.errors[-7:], msg]
         if msg:
             _llama_log.info(msg)
 
 
-def _reason() -> str:
-    """'; llama.cpp says: ...' for llama.cpp's error lines since the last call, or '': the reason of
-    "llama_model_load: error loading model: REASON" when there is one (the line after it, "failed
-    to load model", says nothing more), else the latest line."""
-    said = [line.split(_LOAD_ERROR, 1)[1] for line in _last_error if _LOAD_ERROR in line]
-    why = f"; llama.cpp says: {(said or _last_error)[-1]}" if _last_error else ""
-    _last_error.clear()
-    return why
-
-
-_LOAD_ERROR = "error loading model: "
 _K_BLOCKS = "K cache type q8_0 with block size 32 does not divide n_embd_head_k"   # llama_init_from_model
 GGML_TYPE_BF16 = 30      # ggml.h; llama-cpp-python 0.3.36 names no constant for it
 
@@ -226,19 +257,17 @@ class Model:
             mp.use_extra_bufts = False
         else:   # repacked weights: AMX's only where a child process has seen it work (cpu_probe)
             mp.use_extra_bufts = cpu_probe.extra_bufts_plan().extra_bufts
-        _last_error.clear()
-        _bufs_said.clear()
-        _types_said.clear()
         self._twin: Model | None = None
         self._twin_lock = threading.Lock()
-        self._ptr = L.llama_model_load_from_file(self.path.encode(), mp)
+        with _Heard() as heard:
+            self._ptr = L.llama_model_load_from_file(self.path.encode(), mp)
         if not self._ptr:
-            raise LlamaError(f"{self.path}: llama.cpp could not load this model{_reason()} "
+            raise LlamaError(f"{self.path}: llama.cpp could not load this model{heard.reason()} "
                              f"(see `specrun inspect {self.path}`)")
         # MiB of each weight buffer, as llama.cpp said: "CPU_Mapped" (the file's pages, shared by every
         # load of the file), "CPU_REPACK" (weights copied into llama.cpp's repacked layouts), ...
-        self.buffers_mib = dict(_bufs_said)
-        self.tensor_types = dict(_types_said)   # {"Q6_K": 9, "F32": 109, ...}, as llama.cpp's loader counted them
+        self.buffers_mib = heard.weight_buffers_mib()
+        self.tensor_types = heard.tensor_types()   # {"F32": 109, "Q6_K": 9, ...}, as llama.cpp's loader counted them
         self.vocab = L.llama_model_get_vocab(self._ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_embd = int(L.llama_model_n_embd(self._ptr))
@@ -448,30 +477,25 @@ class Context:
             cp.n_rs_seq = 0
         if ctx_other is not None:   # MTP heads and EAGLE-3 drafts read the target's context and weights
             cp.ctx_other = ctx_other.ptr
-        _last_error.clear()
-        _kv_rot_said.clear()
-        _kv_said.clear()
         self.k_type = "f16" if params.kv_f16 else "q8_0" if model.exact else params.type_k
-        self._ptr = L.llama_init_from_model(model.ptr, cp)
-        if not self._ptr and model.exact and not params.kv_f16 and any(_K_BLOCKS in e for e in _last_error):
+        with _Heard() as heard:
+            self._ptr = L.llama_init_from_model(model.ptr, cp)
+        if not self._ptr and model.exact and not params.kv_f16 and any(_K_BLOCKS in e for e in heard.errors):
             # a head size that Q8_0's 32-value blocks do not divide (80: phi-2): BF16 K rows, which
             # flash attention also reads row by row, and of another type than V's (no split-KV path)
-            _last_error.clear()
             cp.type_k, self.k_type = GGML_TYPE_BF16, "bf16"
-            self._ptr = L.llama_init_from_model(model.ptr, cp)
+            with _Heard() as heard:
+                self._ptr = L.llama_init_from_model(model.ptr, cp)
         if not self._ptr:
             kv = f", KV cache {params.type_k}/{params.type_v}" if custom_kv else ""
-            blocks = any("does not divide n_embd_head" in e for e in _last_error)
+            blocks = any("does not divide n_embd_head" in e for e in heard.errors)
             fix = ("use -ctk and -ctv f16, bf16 or f32 for this model's head size" if blocks
                    else "try a smaller -c, or -ctk f16 -ctv f16" if custom_kv else "try a smaller -c")
             raise LlamaError(f"{model.path}: llama.cpp could not create a context "
-                             f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}{kv}){_reason()}; {fix}")
+                             f"(n_ctx {params.n_ctx}, n_batch {params.n_batch}{kv}){heard.reason()}; {fix}")
         self.n_ctx = int(L.llama_n_ctx(self._ptr))
-        # quantized KV caches store Hadamard-rotated K and V rows (llama-kv-cache.cpp: K in blocks of
-        # the largest power of two >= 64 dividing the head size, V in blocks of 64); 0 = not rotated
-        rot_k, head_k = _kv_rot_said.get("k", (0, 0))
-        self.kv_rot = (_k_rot_block(head_k) if rot_k else 0, 64 if _kv_rot_said.get("v", (0, 0))[0] else 0)
-        self.kv_mib = sum(_kv_said)   # its KV cache, as llama.cpp said (allocated and cleared: resident)
+        self.kv_rot = heard.kv_rot()   # (K, V) Hadamard blocks of its quantized rows; 0 = not rotated
+        self.kv_mib = heard.kv_buffers_mib()   # its KV cache, as llama.cpp said (allocated and cleared: resident)
         self.n_batch = int(L.llama_n_batch(self._ptr))   # llama.cpp caps it at n_ctx; decode() checks it, not llama.cpp
         self.n_ubatch = cp.n_ubatch
         self.n_vocab = model.n_vocab
@@ -623,9 +647,10 @@ class Context:
                 pos[0] = pos0 + j
                 L.llama_batch_ext_set_pos(be, idx, pos)
                 L.llama_batch_ext_set_output_logits(be, idx, True)
-            rc = L.llama_process(self.ptr, L.LLAMA_PROCESS_TYPE_ENCODE, be)
+            with _Heard() as heard:
+                rc = L.llama_process(self.ptr, L.LLAMA_PROCESS_TYPE_ENCODE, be)
             if rc != 0:
-                raise LlamaError(f"llama_process (encode) returned {rc} for {m} rows of width {width}{_reason()}")
+                raise LlamaError(f"llama_process (encode) returned {rc} for {m} rows of width {width}{heard.reason()}")
             p = _nextn(self.ptr)
             if not p:
                 raise LlamaError("the encoder exported no rows (llama_get_embeddings_nextn returned NULL)")
@@ -722,11 +747,13 @@ class Context:
         if ck is None or ck.pos < 0:
             raise LlamaError("no checkpoint to restore")
         flags, pos = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ck.pos
-        got = L.llama_state_seq_set_data_ext(self.ptr, ck.buf, len(ck.buf), 0, flags)
-        if got != len(ck.buf) or not self.seq_rm(pos + 1, -1):
+        with _Heard() as heard:
+            got = L.llama_state_seq_set_data_ext(self.ptr, ck.buf, len(ck.buf), 0, flags)
+            ok = got == len(ck.buf) and self.seq_rm(pos + 1, -1)
+        if not ok:
             self.clear()
             raise LlamaError(f"could not restore the checkpoint at position {pos} "
-                             f"(read {got} of {len(ck.buf)} bytes){_reason()}")
+                             f"(read {got} of {len(ck.buf)} bytes){heard.reason()}")
 
     def pos_max(self) -> int:
         return int(L.llama_memory_seq_pos_max(self.mem, 0))
@@ -747,11 +774,12 @@ class Context:
         state's last position comes back: never seq_rm such a context below that position."""
         self.clear()
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        got = L.llama_state_seq_set_data(self.ptr, buf, len(state), 0)
+        with _Heard() as heard:
+            got = L.llama_state_seq_set_data(self.ptr, buf, len(state), 0)
         if got != len(state):
             self.clear()
             raise LlamaError(f"llama_state_seq_set_data read {got} of {len(state)} bytes "
-                             f"(a state from a context of another model or cache type){_reason()}")
+                             f"(a state from a context of another model or cache type){heard.reason()}")
 
     def decode_with_hidden(self, tokens, pos0: int, hidden: np.ndarray, logits: str = "last") -> None:
         """An MTP context's input: row j = (token x_j, position pos0+j, hidden row h_j), where
