@@ -30,8 +30,7 @@ import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
-from .llama import Model
-from .llama import _reason as _llama_reason  # llama.cpp's latest error line
+from .llama import Model, _Heard
 
 ROOT = "root"
 MAX_NESTING = 2000   # ( ) levels a grammar may nest (see _init)
@@ -144,13 +143,12 @@ def _init(vocab, gbnf: str, root: str):
         raise GrammarError(f"the grammar has a repetition {backwards} whose maximum is below its minimum; "
                            "write {m,n} with m <= n")
     captured: list[str] = []
-    _llama_reason()                          # forget an older error line of llama.cpp's log
-    with _captured_stderr(captured):
+    with _Heard() as heard, _captured_stderr(captured):   # heard: llama.cpp's error lines of this call
         ptr = L.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), root.encode("utf-8"))
     # the parser's reason is on stderr; init's own (undefined rule, left recursion) is in llama.cpp's
     # log, which kernels.llama keeps once a model is loaded (before, it goes to stderr too)
     _passthrough(captured[0] if captured else "")
-    text = (captured[0] if captured else "") + _llama_reason()
+    text = (captured[0] if captured else "") + heard.reason()
     if not ptr:
         why = _reason(text)
         if "no vocab to parse token" in why:
