@@ -9,7 +9,6 @@ import stat
 import struct
 import subprocess
 import sys
-import time
 import tracemalloc
 from datetime import timedelta
 from pathlib import Path
@@ -176,10 +175,8 @@ def make_case(tmp_path: Path, name: str) -> Path:
 @pytest.mark.parametrize("name", list(CASES))
 def test_load_spec_raises_one_line(tmp_path, name):
     path = make_case(tmp_path, name)
-    t0 = time.perf_counter()
-    with pytest.raises(GGUFError) as e:
+    with pytest.raises(GGUFError) as e:     # a hang is caught by the timeout above
         load_spec(path)
-    assert time.perf_counter() - t0 < 5
     msg = str(e.value)
     assert msg.startswith(f"{path}: ")
     assert "\n" not in msg
