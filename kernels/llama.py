@@ -394,12 +394,21 @@ class Model:
 # ---- context ---------------------------------------------------------------------------------
 
 
+def default_threads() -> int:
+    """The threads of a context given none: LLAMA_ARG_THREADS when set (llama.cpp's variable for
+    -t), else every core."""
+    env = os.environ.get("LLAMA_ARG_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return os.cpu_count() or 1
+
+
 @dataclass(frozen=True, slots=True)
 class ContextParams:
     n_ctx: int = 4096           # 0: the model's training context
     n_batch: int = 2048         # largest batch one llama_decode takes (prompt chunks)
     n_ubatch: int = 512
-    n_threads: int = 0          # 0: os.cpu_count()
+    n_threads: int = 0          # 0: default_threads()
     n_threads_batch: int = 0    # 0: n_threads
     n_rs_seq: int = 0           # recurrent-state snapshots per sequence (hybrid models' rollback)
     mtp: bool = False           # an MTP draft context (ctx_type = LLAMA_CONTEXT_TYPE_MTP)
@@ -449,7 +458,7 @@ class Context:
         self.model = model
         self.params = params
         cp = L.llama_context_default_params()
-        n_threads = params.n_threads or os.cpu_count() or 1
+        n_threads = params.n_threads or default_threads()
         cp.n_ctx = params.n_ctx
         cp.n_batch = params.n_batch
         cp.n_ubatch = min(params.n_ubatch, params.n_batch)
