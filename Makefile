@@ -30,7 +30,7 @@ LLAMA_BUILD_OK := import glob, os, re, sys, llama_cpp as L; \
 	         or any((k in have) != (v == 'ON') for k, v in want.items() if k in shown))
 RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-adaptive -n 128 --temp 0 -f $(PROMPT_FILE)
 
-.PHONY: install run test test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-pass-times bench-rpc bench-peers bench-exact-peers bench-same-text bench-slots bench-prompt-kernels peers-server lint clean
+.PHONY: install run test test-full test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-pass-times bench-rpc bench-peers bench-exact-peers bench-same-text bench-slots bench-prompt-kernels peers-server lint clean
 
 install: $(STAMP)
 
@@ -46,11 +46,20 @@ $(STAMP): pyproject.toml setup.py kernels/_draftloop.c Makefile
 run: install
 	$(BIN)/specrun $(RUN_ARGS)
 
+# Tests run in TEST_WORKERS processes, one llama.cpp thread each (tests/conftest.py). `make test` is
+# every test but the long tail of the exactness grids (marker `full`), which `make test-full` runs;
+# CI runs both (.ci/run).
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: lint
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -m "not full"
+
+test-full: install
+	$(PYTEST) -m full
 
 test-fast: lint
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow and not full"
 
 # Each bench-* target rewrites its own files in benchmarks/results (docs/benchmarks.md reads them).
 bench: install

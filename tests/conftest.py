@@ -3,6 +3,7 @@ writes a tiny but well-formed model GGUF with gguf's own writer."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -10,6 +11,11 @@ import numpy as np
 import pytest
 
 from specrun.gguf_spec.registry import resolve_model
+
+# One llama.cpp thread per engine, in this process and in the specrun processes tests start: a
+# thread never spins at a barrier for a descheduled sibling, so other work on the machine slows a
+# test in proportion only, and `pytest -n 2` keeps each core busy. A test that needs more says -t.
+os.environ.setdefault("LLAMA_ARG_THREADS", "1")
 
 TINY_TOKENS = ["<unk>", "<s>", "</s>", "<|eot|>", "<pad>"] + [f"tok{i}" for i in range(27)]   # 32 tokens
 

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.slow
 
 N_MAX = (1, 3, 8, 15)
 TEMPS = (0.0, 0.8)
+FULL = pytest.mark.full      # the grid's tail: `make test-full`
+# n-max 3 (the default) and 15 (the longest) in `make test`; 1 and 8 in `make test-full`
+N_MAX_GRID = (pytest.param(1, marks=FULL), 3, pytest.param(8, marks=FULL), 15)
 N_GEN = 32
 SEED = 1234
 
@@ -86,8 +89,9 @@ def test_prompts_cover_both_sides_of_256(target):
 
 @pytest.mark.parametrize("temp", TEMPS)
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("size_n, size_m, match", [(2, 2, "last"), (2, 5, "last"), (2, 16, "last"), (3, 48, "last"),
-                                                   (2, 16, "longest"), (3, 16, "longest")])
+@pytest.mark.parametrize("size_n, size_m, match", [
+    pytest.param(2, 2, "last", marks=FULL), (2, 5, "last"), pytest.param(2, 16, "last", marks=FULL),
+    pytest.param(3, 48, "last", marks=FULL), (2, 16, "longest"), pytest.param(3, 16, "longest", marks=FULL)])
 def test_ngram_simple_equals_plain(target, prompt, temp, size_n, size_m, match):
     """n-gram drafts are copies of size_n..size_m tokens (llama.cpp: --spec-draft-n-max does not bound them),
     from the last earlier occurrence (llama.cpp's) or the longest-matching one (auto's)."""
@@ -108,7 +112,7 @@ def test_ngram_simple_drafts_and_accepts_on_copying(target):
 
 @pytest.mark.parametrize("temp", TEMPS)
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("n_max", N_MAX)
+@pytest.mark.parametrize("n_max", N_MAX_GRID)
 def test_draft_self_equals_plain(target, prompt, temp, n_max):
     """The target as its own draft model: greedy accepts every draft token."""
     got, st = run(target.engine, target.prompts[prompt], temp, spec=spec(n_max=n_max),
@@ -122,7 +126,7 @@ def test_draft_self_equals_plain(target, prompt, temp, n_max):
 
 @pytest.mark.parametrize("temp", TEMPS)
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("n_max", N_MAX)
+@pytest.mark.parametrize("n_max", N_MAX_GRID)
 def test_draft_always_wrong_equals_plain(target, prompt, temp, n_max):
     wrong = ShiftedDraft(target.self_draft(), target.engine.model.n_vocab)
     # every token costs n_max draft decodes here: a shorter run keeps the suite within CI's time
@@ -135,7 +139,7 @@ def test_draft_always_wrong_equals_plain(target, prompt, temp, n_max):
 
 
 @pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("n_max", N_MAX)
+@pytest.mark.parametrize("n_max", N_MAX_GRID)
 def test_oracle_accepts_everything_when_sampling(target, temp, n_max):
     """A drafter that proposes plain decoding's own seeded output is accepted in full at any
     temperature: position-keyed draws make the verifier's samples equal plain sampling."""
