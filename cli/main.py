@@ -104,8 +104,24 @@ Known models (offline, from PyPI packages): {", ".join(KNOWN_MODELS)} (default {
 """
 
 
+def _print_version(ctx: click.Context, param, value: bool) -> None:
+    """specrun's version, then llama.cpp's build, as `llama-cli --version` names it."""
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import version
+
+    from specrun.kernels.llama import build_info
+
+    b = build_info()
+    click.echo(f"specrun {version('specrun')}")
+    click.echo(f"llama.cpp: ggml {b.ggml}, llama-cpp-python {b.bindings}")
+    click.echo(f"backends: {', '.join(b.backends)}; CPU: {' '.join(b.features)}")
+    ctx.exit()
+
+
 @click.group(cls=DefaultGroup, help=_HELP, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="specrun")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show specrun's version and the llama.cpp build it runs, then exit.")
 def cli() -> None:
     pass
 

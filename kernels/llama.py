@@ -404,6 +404,33 @@ def default_threads() -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class BuildInfo:
+    """The llama.cpp this process runs, as llama.cpp's --version and system info say it."""
+
+    bindings: str                 # llama-cpp-python's version
+    ggml: str                     # ggml's version and commit: "0.25.3 (0c1e570)"
+    backends: tuple[str, ...]     # ggml's registered backends: ("RPC", "CPU")
+    features: tuple[str, ...]     # what llama_print_system_info reports on: ("AVX2", "FMA", ...)
+
+
+def build_info() -> BuildInfo:
+    """What `specrun --version` prints: the bindings, ggml's version and commit, its backends and
+    the CPU features the build uses."""
+    from llama_cpp import _ggml
+
+    def fn(name: str, restype, *argtypes):
+        return ctypes.CFUNCTYPE(restype, *argtypes)((name, _ggml.libggml))
+
+    reg_get = fn("ggml_backend_reg_get", ctypes.c_void_p, ctypes.c_size_t)
+    reg_name = fn("ggml_backend_reg_name", ctypes.c_char_p, ctypes.c_void_p)
+    backends = tuple(reg_name(reg_get(i)).decode() for i in range(fn("ggml_backend_reg_count", ctypes.c_size_t)()))
+    system = L.llama_print_system_info().decode(errors="replace")
+    features = tuple(k for k, v in re.findall(r"(\w+) = (\w+)", system) if v != "0")
+    version, commit = fn("ggml_version", ctypes.c_char_p)().decode(), fn("ggml_commit", ctypes.c_char_p)().decode()
+    return BuildInfo(L.__version__, f"{version} ({commit})", backends, features)
+
+
+@dataclass(frozen=True, slots=True)
 class ContextParams:
     n_ctx: int = 4096           # 0: the model's training context
     n_batch: int = 2048         # largest batch one llama_decode takes (prompt chunks)

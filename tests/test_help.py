@@ -105,3 +105,16 @@ def test_group_help_lists_commands_by_section_one_line_each():
     assert [n for n, _ in listed] == [n for section in COMMAND_SECTIONS.values() for n in section]
     assert sorted(n for n, _ in listed) == sorted(n for n, c in cli.commands.items() if not c.hidden)
     assert all(not line.endswith("...") for _, line in listed)
+
+
+def test_version_names_the_llama_cpp_build():
+    """As `llama-cli --version`: the build's ggml version and commit, its backends and CPU features."""
+    import llama_cpp
+
+    r = CliRunner().invoke(cli, ["--version"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert re.fullmatch(r"specrun \d+\.\d+\.\d+\S*", lines[0]), lines
+    assert re.fullmatch(rf"llama\.cpp: ggml \d+\.\d+\.\d+ \(\w+(-dirty)?\), llama-cpp-python "
+                        rf"{re.escape(llama_cpp.__version__)}", lines[1]), lines
+    assert re.fullmatch(r"backends: (\w+, )*CPU(, \w+)*; CPU: (\w+ )*\w+", lines[2]) and len(lines) == 3, lines
