@@ -37,15 +37,21 @@ from specrun.kernels.chat_template import TemplateError
 from specrun.kernels.constrain import check_controls
 from specrun.kernels.drafters import draft_n_max
 from specrun.kernels.engine import Engine
-from specrun.kernels.params import NGRAM_TYPES, SpecParams, parse_spec_types
+from specrun.kernels.params import MODEL_TYPES, NGRAM_TYPES, SpecParams, parse_spec_types
 from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams
 
 from .runtime.chat import ChatFormat
 from .runtime.console import err_console, handle_errors, setup_logging
-from .runtime.help import SectionedCommand
 from .runtime.loading import open_engine, prepare
-from .runtime.options import AUTO, engine_params, model_options, ngram_family_options, ngram_family_params
+from .runtime.options import (
+    AUTO,
+    SPEC_DEFAULT,
+    engine_params,
+    model_options,
+    ngram_family_options,
+    ngram_family_params,
+)
 from .runtime.prompts import BUILTIN, CHAT_MESSAGE, PROMPTS, read_prompt
 
 VERIFY_REPS = 5
@@ -374,15 +380,17 @@ def _out_console(to_stderr: bool) -> Console:
     return Console(file=f, highlight=False, width=None if f.isatty() else 160)
 
 
-@click.command("bench", cls=SectionedCommand)
+@click.command("bench")
 @model_options
 @click.option("--spec-type", "spec_type", default=None,
               help="comma-separated settings to compare, 'a+b' for a combination "
-                   "(default: none, ngram-simple, and draft-simple / draft-eagle3 / draft-mtp when the files allow)")
+                   f"(default: none, ngram-simple, and {' / '.join(MODEL_TYPES)} when the files allow)")
 @click.option("--spec-draft-n-max", "n_max", default="1,2,3,5,8", show_default=True,
               help="comma-separated draft lengths; each spec type runs at each")
-@click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=12, show_default=True)
-@click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=48, show_default=True)
+@click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=SPEC_DEFAULT.ngram_size_n,
+              show_default=True)
+@click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=SPEC_DEFAULT.ngram_size_m,
+              show_default=True)
 @ngram_family_options
 @click.option("-p", "--prompt", default=None, help="one prompt text instead of the built-in prompts")
 @click.option("-f", "--file", "file", default=None, help="read one prompt from a file (- for stdin)")

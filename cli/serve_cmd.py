@@ -20,11 +20,8 @@ from dataclasses import replace
 
 import click
 
-from specrun.kernels.params import NGRAM_TYPES
-
 from .runtime.auto import resolve_auto
 from .runtime.console import err_console, handle_errors, setup_logging
-from .runtime.help import SectionedCommand
 from .runtime.loading import open_engines
 from .runtime.options import (
     AUTO,
@@ -66,7 +63,7 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
             "address can use the model; give --api-key KEY, or bind 127.0.0.1")
 
 
-@click.command("serve", cls=SectionedCommand)
+@click.command("serve")
 @model_options
 @spec_options
 @sampling_options
@@ -196,13 +193,7 @@ class _Loader(threading.Thread):
                     flag = "--chat-template" if opt["chat_template"] else "--chat-template-file"
                     raise TemplateError(f"{flag} {opt['chat_template'] or opt['chat_template_file']}: {e}") from None
                 reason = str(e)
-            spec_types = ["none", *NGRAM_TYPES]
-            if "draft-simple" in params.spec.types:
-                spec_types.append("draft-simple")
-            if "draft-eagle3" in params.spec.types:
-                spec_types.append("draft-eagle3")
-            if engines[0].mtp_enabled:
-                spec_types.append("draft-mtp")
+            spec_types = ["none", *engines[0].spec_types]
             if auto:
                 params = replace(params, spec=resolve_auto(engines[0], params.spec))
                 for e in engines:

@@ -49,13 +49,12 @@ from specrun.gguf_spec.errors import SpecrunError
 from .drafters import draft_n_max, make_drafter
 from .draftlen import curve_rows
 from .llama import MAX_EXACT_BATCH
-from .params import NGRAM_TYPES, SpecParams
+from .params import MODEL_TYPES, NGRAM_TYPES, SPEC_TYPE, SpecParams
 from .types import SamplingParams
 
 log = logging.getLogger(__name__)
 
 VERIFY_ROWS = tuple(curve_rows(17))   # the verify-cost curve's pass sizes (they seed the adaptive length's t(r))
-PER_TOKEN_DRAFTERS = ("draft-mtp", "draft-simple", "draft-eagle3")   # a decode per drafted token; n-grams: one lookup
 MARGIN = 0.10            # choose a speculative setting only when predicted > 1 + MARGIN
 GREEDY = SamplingParams(temp=0.0)
 
@@ -214,16 +213,8 @@ def _drafter_cost(costs: Costs, spec: SpecParams) -> DrafterCost:
 def setting_name(spec: SpecParams) -> str:
     if not spec.types:
         return "none"
-    if spec.types == ("ngram-simple",):
-        longest = " longest match" if spec.ngram_match == "longest" else ""
-        return f"ngram-simple size-n {spec.ngram_size_n} size-m {spec.ngram_size_m}{longest}"
-    if spec.types in (("ngram-map-k",), ("ngram-map-k4v",)):
-        p = spec.ngram_map_k if spec.types[0] == "ngram-map-k" else spec.ngram_map_k4v
-        return f"{spec.types[0]} size-n {p.size_n} size-m {p.size_m}" + (f" min-hits {p.min_hits}" * (p.min_hits > 1))
-    if spec.types == ("ngram-mod",):
-        return f"ngram-mod n-match {spec.ngram_mod.n_match} n-min {spec.ngram_mod.n_min} n-max {spec.ngram_mod.n_max}"
-    if spec.types == ("ngram-cache",):
-        return "ngram-cache"
+    if len(spec.types) == 1 and spec.types[0] in SPEC_TYPE:   # "ngram-simple size-n 12 size-m 48", "draft-mtp n-max 3"
+        return f"{spec.types[0]} {SPEC_TYPE[spec.types[0]].label(spec)}".rstrip()
     return f"{'+'.join(spec.types)} n-max {spec.n_max}"
 
 
@@ -261,7 +252,7 @@ def _why(p: Prediction, costs: Costs) -> str:
     k = draft_n_max(p.spec.types[0], p.spec)     # an n-gram's longest draft is its own (size-m...)
     parts = [f"acceptance {p.acceptance:.2f}, {p.tokens_per_pass:.2f} tokens/pass",
              f"a {k + 1}-row verify costs {(t1 + costs.verify.at(k + 1) - costs.verify.at(1)) / t1:.2f}× a plain step"]
-    if p.spec.types[0] in PER_TOKEN_DRAFTERS:
+    if p.spec.types[0] in MODEL_TYPES:   # a decode per drafted token; n-grams: one lookup
         parts.append(f"a drafted token {dc.c1_s / t1:.2f}×")
     if dc.long.f < 0.999:
         parts.append(f"drafts on {dc.long.f:.0%} of passes")
@@ -357,7 +348,7 @@ def probe(engine, prompt_tokens: Sequence[int], drafter_specs: Sequence[SpecPara
                 raise CalibrationError("the probe generation stopped at its first token (end of generation); "
                                        "calibrate with a longer prompt")
             t_pass[j].append(st.t_gen_s / st.n_target_passes)
-            if d is not None and d.n_gen_tokens and spec.types[0] in PER_TOKEN_DRAFTERS:
+            if d is not None and d.n_gen_tokens and spec.types[0] in MODEL_TYPES:
                 t_tok[j].append(d.t_draft_s / d.n_gen_tokens)
             last[j] = (st, d)
             if on_step:

@@ -38,7 +38,7 @@ from .constrain import Constraints, VerifyPass
 from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
 from .draftlen import DraftLength, PassCost, curve_rows
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
-from .params import NGRAM_TYPES, EngineParams, SpecParams
+from .params import IN_ORDER, NGRAM_TYPES, SPEC_TYPE, EngineParams, SpecParams, no_mtp_heads
 from .prefill import FastPrefill, RowsWanted, fast_len
 from .prefill_worker import PrefillHandle, PrefillWorker, SharedPrefill, uses_worker
 from .sampling import sample
@@ -109,7 +109,7 @@ class Generation:
 def _free_proposals(d: Drafter) -> bool:
     """Whether a drafter's proposal is only a lookup in the tokens (the n-gram drafters), so that a
     draft may be made and scored without verifying it (adaptive length 0, its proposals scored whole)."""
-    return d.spec_type.startswith("ngram")
+    return d.spec_type in NGRAM_TYPES
 
 
 class Engine:
@@ -123,9 +123,9 @@ class Engine:
         self.params = params = params or EngineParams()
         spec = params.spec
         # draft-mtp reads the heads of the main GGUF, or of -md HEADS.gguf when no draft model / EAGLE-3 uses -md
-        self._heads_path = (params.draft_model if params.draft_model and "draft-simple" not in spec.types
-                            and "draft-eagle3" not in spec.types else None)
-        needs_mtp = "draft-mtp" in spec.types and self._heads_path is None
+        kinds = [SPEC_TYPE[t] for t in spec.types if t in SPEC_TYPE]   # another name: make_drafter says so
+        self._heads_path = params.draft_model if params.draft_model and not any(k.md for k in kinds) else None
+        needs_mtp = any(k.mtp_heads for k in kinds) and self._heads_path is None
         self._own_model = model is None
         self.model = model if model is not None else Model(model_path, exact=params.exact, load_mtp=needs_mtp,
                                                                     placement=params.placement)
@@ -133,16 +133,14 @@ class Engine:
         self._drafters: dict[tuple, Drafter] = {}
         if needs_mtp and self.model.n_layer_nextn <= 0:
             self.close()
-            raise SpecrunError(f"{model_path}: the model has no MTP heads, so --spec-type draft-mtp is not "
-                               f"available; run `specrun inspect {model_path}` to see what it holds, "
-                               "or pass MTP heads with -md HEADS.gguf")
+            raise no_mtp_heads(model_path)
         # the longest draft: every n-gram type's own bound (a request may switch to any of them) and
         # the model drafters' n-max; exact mode keeps verify batches under flash attention's 64-row
         # tiled kernel
         self.n_max_cap = max(16, spec.n_max, *(draft_n_max(t, spec) for t in NGRAM_TYPES))
         if params.exact:
             self.n_max_cap = min(self.n_max_cap, MAX_EXACT_BATCH - 1)
-        self.mtp_enabled = "draft-mtp" in spec.types or (self.model.load_mtp and self.model.n_layer_nextn > 0)
+        self.mtp_enabled = any(k.mtp_heads for k in kinds) or (self.model.load_mtp and self.model.n_layer_nextn > 0)
         try:
             if not params.n_ctx and self.model.n_ctx_train <= 0:    # llama.cpp reads context_length as int32
                 raise SpecrunError(f"{model_path}: -c 0 takes the model's training context, and llama.cpp reads "
@@ -184,7 +182,7 @@ class Engine:
     # -- set-up ------------------------------------------------------------------------------
     def drafters_for(self, spec: SpecParams) -> list[Drafter]:
         """The drafters of spec.types (llama.cpp's order), built once and cached by their settings."""
-        if "draft-mtp" in spec.types and not self.mtp_enabled:
+        if not self.mtp_enabled and any(t in SPEC_TYPE and SPEC_TYPE[t].mtp_heads for t in spec.types):
             raise SpecrunError("draft-mtp was not enabled when the model was loaded; restart with "
                                "--spec-type draft-mtp")
         out = []
@@ -195,6 +193,13 @@ class Engine:
                                                    heads_path=self._heads_path)
             out.append(self._drafters[key])
         return out
+
+    @property
+    def spec_types(self) -> tuple[str, ...]:
+        """The spec types this engine can build, in llama.cpp's order: every n-gram type, the types
+        that draft with -md among those it runs, and draft-mtp when its heads are loaded."""
+        return tuple(t.name for t in IN_ORDER if not t.model or (t.mtp_heads and self.mtp_enabled)
+                     or (not t.mtp_heads and t.name in self.params.spec.types))
 
     def set_spec(self, spec: SpecParams) -> None:
         """Switch spec types for the next generations (chat /spec, auto's choice); builds the drafters

@@ -6,6 +6,7 @@ then tried in llama.cpp's order (n-grams first, then the draft model, then MTP h
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,24 +15,7 @@ from specrun.gguf_spec.errors import SpecrunError
 if TYPE_CHECKING:
     from .rpc import Placement
 
-NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # no model needed
-SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", *NGRAM_TYPES)
-SPEC_ALIASES = {"draft": "draft-simple"}
-# llama.cpp's common_speculative_init: the n-grams first, in this order, then the model drafters
-_ORDER = {t: i for i, t in enumerate((*NGRAM_TYPES, "draft-simple", "draft-eagle3", "draft-mtp"))}
-
-
-def parse_spec_types(text: str) -> tuple[str, ...]:
-    """'ngram-simple,draft' -> ('ngram-simple', 'draft-simple'), in llama.cpp's order; 'none' -> ()."""
-    out: list[str] = []
-    for raw in (t.strip() for t in text.split(",")):
-        name = SPEC_ALIASES.get(raw, raw)
-        if name not in SPEC_TYPES:
-            valid = ", ".join([*SPEC_TYPES, *SPEC_ALIASES])
-            raise SpecrunError(f"unknown spec type '{raw}'; valid types: {valid}")
-        if name != "none" and name not in out:
-            out.append(name)
-    return tuple(sorted(out, key=_ORDER.__getitem__))
+NGRAM_CACHE_N_DRAFT = 8   # ngram-cache's longest draft: fixed in llama.cpp ("TODO get from config?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +63,102 @@ class SpecParams:
     ngram_cache: NgramCacheParams = NgramCacheParams()
     verify: str = "auto"       # auto | match | rejection
     adaptive: bool = False     # each step's draft length from acceptance and pass cost (kernels/draftlen), 1..n_max
+
+
+@dataclass(frozen=True, slots=True)
+class SpecType:
+    """One --spec-type: what every layer needs to know of it. A new drafter is one file in
+    kernels/drafters/ (a class with spec_type, needs_hidden and from_spec) and one line in
+    SPEC_TYPE_LIST below."""
+
+    name: str                # exactly llama.cpp's --spec-type string (llama-server's, for `specrun export`)
+    order: int               # its place in llama.cpp's common_speculative_init (n-grams first)
+    drafter: str             # "module.Class" in kernels/drafters/: the class whose from_spec() builds it
+    vllm: str | None         # `specrun export`: vLLM's speculative method (None: vLLM has none)
+    sglang: str              # `specrun export`: SGLang's --speculative-algorithm
+    aliases: tuple[str, ...] = ()
+    model: bool = False      # drafts with a model (a decode per drafted token); False: an n-gram lookup in the text
+    md: str | None = None    # what -md must hold for it ("a draft model: add -md DRAFT.gguf ..."); None: no -md
+    mtp_heads: bool = False  # reads MTP heads (the model's own, or -md HEADS.gguf)
+    hidden: bool = False     # reads the target's rows (its drafter's needs_hidden)
+    # its longest draft, as llama.cpp's common_speculative_n_max (a model's: --spec-draft-n-max)
+    n_max: Callable[[SpecParams], int] = lambda s: s.n_max
+    # the settings that make two of its drafters differ (an engine caches one per key)
+    key: Callable[[SpecParams], tuple] = lambda s: ()
+    # its settings as a stats line names them ("size-n 12 size-m 48")
+    label: Callable[[SpecParams], str] = lambda s: f"n-max {s.n_max}"
+
+    @property
+    def flag(self) -> str:
+        """How --spec-type's messages spell it (its first alias: draft)."""
+        return self.aliases[0] if self.aliases else self.name
+
+
+def _map_label(p: NgramMapParams) -> str:
+    return f"size-n {p.size_n} size-m {p.size_m}" + f" min-hits {p.min_hits}" * (p.min_hits > 1)
+
+
+# every spec type, in the order --spec-type's help and errors list them; the defaults of their
+# settings are SpecParams' and the Ngram*Params' above
+SPEC_TYPE_LIST = (
+    SpecType("draft-simple", 5, "draft_model.DraftModel", "draft_model", "STANDALONE", aliases=("draft",), model=True,
+             md="a draft model: add -md DRAFT.gguf (a small model of the same family)"),
+    SpecType("draft-eagle3", 6, "draft_eagle3.DraftEagle3", "eagle3", "EAGLE3", model=True, hidden=True,
+             md="an EAGLE-3 draft: add -md EAGLE3.gguf (converted for this model)"),
+    SpecType("draft-mtp", 7, "draft_mtp.DraftMTP", "mtp", "NEXTN", model=True, mtp_heads=True, hidden=True),
+    SpecType("ngram-simple", 0, "ngram_simple.NgramSimple", "ngram", "NGRAM", n_max=lambda s: s.ngram_size_m,
+             key=lambda s: (s.ngram_size_n, s.ngram_size_m, s.ngram_match or "last"),
+             label=lambda s: f"size-n {s.ngram_size_n} size-m {s.ngram_size_m}"
+                             + " longest match" * (s.ngram_match == "longest")),
+    SpecType("ngram-map-k", 1, "ngram_map.NgramMapK", "ngram", "NGRAM", n_max=lambda s: s.ngram_map_k.size_m,
+             key=lambda s: (s.ngram_map_k,), label=lambda s: _map_label(s.ngram_map_k)),
+    SpecType("ngram-map-k4v", 2, "ngram_map.NgramMapK4V", "ngram", "NGRAM", n_max=lambda s: s.ngram_map_k4v.size_m,
+             key=lambda s: (s.ngram_map_k4v,), label=lambda s: _map_label(s.ngram_map_k4v)),
+    SpecType("ngram-mod", 3, "ngram_mod.NgramMod", "ngram", "NGRAM", n_max=lambda s: s.ngram_mod.n_max,
+             key=lambda s: (s.ngram_mod,),
+             label=lambda s: f"n-match {s.ngram_mod.n_match} n-min {s.ngram_mod.n_min} n-max {s.ngram_mod.n_max}"),
+    SpecType("ngram-cache", 4, "ngram_cache.NgramCache", None, "NGRAM", n_max=lambda s: NGRAM_CACHE_N_DRAFT,
+             key=lambda s: (s.ngram_cache,), label=lambda s: ""),
+)
+SPEC_TYPE = {t.name: t for t in SPEC_TYPE_LIST}
+IN_ORDER = tuple(sorted(SPEC_TYPE_LIST, key=lambda t: t.order))   # llama.cpp's order
+SPEC_TYPES = ("none", *SPEC_TYPE)
+SPEC_ALIASES = {a: t.name for t in SPEC_TYPE_LIST for a in t.aliases}
+NGRAM_TYPES = tuple(t.name for t in IN_ORDER if not t.model)   # no model needed: a lookup in the text
+MODEL_TYPES = tuple(t.name for t in IN_ORDER if t.model)       # a model drafts (a decode per drafted token)
+
+
+def spelled(types: Iterable[SpecType]) -> str:
+    """'draft-simple (alias draft), draft-eagle3, ...': the names as help texts list them."""
+    return ", ".join(t.name + (f" (alias {', '.join(t.aliases)})" if t.aliases else "") for t in types)
+
+
+def parse_spec_types(text: str) -> tuple[str, ...]:
+    """'ngram-simple,draft' -> ('ngram-simple', 'draft-simple'), in llama.cpp's order; 'none' -> ()."""
+    out: list[str] = []
+    for raw in (t.strip() for t in text.split(",")):
+        name = SPEC_ALIASES.get(raw, raw)
+        if name not in SPEC_TYPES:
+            valid = ", ".join([*SPEC_TYPES, *SPEC_ALIASES])
+            raise SpecrunError(f"unknown spec type '{raw}'; valid types: {valid}")
+        if name != "none" and name not in out:
+            out.append(name)
+    return tuple(sorted(out, key=lambda t: SPEC_TYPE[t].order))
+
+
+def check_md(types: Iterable[str], has_md: bool) -> None:
+    """SpecrunError when a type that drafts with -md's file has none: the one place that says so."""
+    for t in types:
+        own = SPEC_TYPE.get(t)
+        if own is not None and own.md and not has_md:
+            raise SpecrunError(f"--spec-type {own.flag} needs {own.md}")
+
+
+def no_mtp_heads(model_path: object) -> SpecrunError:
+    """draft-mtp asked of a model without MTP heads (and no -md HEADS.gguf): the one place that says so."""
+    return SpecrunError(f"{model_path}: the model has no MTP heads, so --spec-type draft-mtp is not available; "
+                        f"run `specrun inspect {model_path}` to see what it holds, or pass MTP heads with "
+                        "-md HEADS.gguf")
 
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")   # llama.cpp arg.cpp's kv_cache_types

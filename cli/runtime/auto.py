@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from specrun.kernels.calibrate import Choice, calibrate, measure, n_steps, setting_name
 from specrun.kernels.engine import Engine
-from specrun.kernels.params import SpecParams
+from specrun.kernels.params import MODEL_TYPES, NGRAM_TYPES, SpecParams
 
 from .console import err_console
 from .prompts import PROMPTS
@@ -39,7 +39,7 @@ AUTO_NGRAM_SIZES = ((2, 16),)
 AUTO_NGRAM_MATCH = "longest"
 # llama.cpp's other n-gram drafters, which auto also probes, each with its own flags (the command's,
 # llama.cpp's defaults unless given): one probe per rep each, as an n-gram has no n-max to vary
-AUTO_NGRAM_TYPES = ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+AUTO_NGRAM_TYPES = tuple(t for t in NGRAM_TYPES if t != "ngram-simple")
 
 
 def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
@@ -50,8 +50,7 @@ def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     out = [replace(base, types=("ngram-simple",), ngram_size_n=n, ngram_size_m=m, ngram_match=match)
            for n, m in sizes if m <= engine.n_max_cap]
     out += [replace(base, types=(t,)) for t in AUTO_NGRAM_TYPES]
-    models = [t for t in ("draft-simple", "draft-eagle3", "draft-mtp")
-              if (t != "draft-mtp" and t in engine.params.spec.types) or (t == "draft-mtp" and engine.mtp_enabled)]
+    models = [t for t in engine.spec_types if t in MODEL_TYPES]
     return out + [replace(base, types=(t,), n_max=k) for t in models for k in AUTO_N_MAX if k <= engine.n_max_cap]
 
 
@@ -101,4 +100,4 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
 
 
 def _ngram(spec: SpecParams) -> bool:
-    return bool(spec.types) and all(t.startswith("ngram") for t in spec.types)
+    return bool(spec.types) and all(t in NGRAM_TYPES for t in spec.types)

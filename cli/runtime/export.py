@@ -33,10 +33,9 @@ from pathlib import Path
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.gguf_spec.source import source
-from specrun.kernels.params import NGRAM_TYPES, SpecParams
+from specrun.kernels.params import MODEL_TYPES, NGRAM_TYPES, SPEC_TYPE, SpecParams
 
 ENGINES = ("vllm", "sglang", "llama-server")
-MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp")     # drafters that run a model
 TOKENIZER_PLACEHOLDER = "<HF-REPO>"           # the user fills it in: vLLM's/SGLang's --tokenizer(-path)
 DRAFT_PLACEHOLDER = "<DRAFT-HF-REPO>"
 
@@ -186,19 +185,19 @@ def _vllm(p: Plan) -> Export:
     if p.n_ctx:
         argv += ["--max-model-len", str(p.n_ctx)]
     cfg: dict[str, object] | None = None
-    if t in ("draft-simple", "draft-eagle3"):
-        cfg = {"method": "draft_model" if t == "draft-simple" else "eagle3",
-               "model": _draft_repo(p, "vLLM", notes), "num_speculative_tokens": s.n_max}
-    elif t == "draft-mtp":
-        cfg = {"method": "mtp", "num_speculative_tokens": s.n_max}
+    own = SPEC_TYPE[t] if t is not None else None
+    if own is not None and own.md:
+        cfg = {"method": own.vllm, "model": _draft_repo(p, "vLLM", notes), "num_speculative_tokens": s.n_max}
+    elif own is not None and own.mtp_heads:
+        cfg = {"method": own.vllm, "num_speculative_tokens": s.n_max}
         _mtp_notes(p, "vLLM", notes)
-    elif t == "ngram-cache":
+    elif own is not None and own.vllm is None:
         raise ExportError("vLLM has no n-gram cache (llama.cpp's lookup statistics, -lcs/-lcd files); its drafters "
                           "without a model are ngram (export --spec-type ngram-simple) and suffix; or export "
                           "--to llama-server")
     elif t in NGRAM_TYPES:
         n, k = _ngram_window(s, t)
-        cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n}
+        cfg = {"method": own.vllm, "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n}
         _ngram_notes(p, t, "vLLM's ngram (the latest earlier match of the last N tokens, K tokens copied)", notes)
     if cfg is not None:
         argv += ["--speculative-config", json.dumps(cfg)]
@@ -227,9 +226,8 @@ def _sglang(p: Plan) -> Export:
     if p.n_ctx:
         argv += ["--context-length", str(p.n_ctx)]
     if t in MODEL_TYPES:
-        algo = {"draft-simple": "STANDALONE", "draft-eagle3": "EAGLE3", "draft-mtp": "NEXTN"}[t]
-        argv += ["--speculative-algorithm", algo]
-        if t == "draft-mtp":
+        argv += ["--speculative-algorithm", SPEC_TYPE[t].sglang]
+        if SPEC_TYPE[t].mtp_heads:
             _mtp_notes(p, "SGLang", notes)
         else:
             argv += ["--speculative-draft-model-path", _draft_repo(p, "SGLang", notes)]
@@ -242,7 +240,7 @@ def _sglang(p: Plan) -> Export:
                               "builds its own cache from the text: leave -lcs/-lcd out, or export --to llama-server")
         n, k = _ngram_window(s, t)
         lo = 1 if t == "ngram-cache" else n
-        argv += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k + 1),
+        argv += ["--speculative-algorithm", SPEC_TYPE[t].sglang, "--speculative-num-draft-tokens", str(k + 1),
                  "--speculative-ngram-min-match-window-size", str(lo), "--speculative-ngram-max-match-window-size",
                  str(n), "--speculative-ngram-max-bfs-breadth", "1"]
         if t == "ngram-cache":

@@ -24,7 +24,7 @@ from specrun.gguf_spec.compat import (
 from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import ModelSpec, load_spec
 from specrun.kernels.engine import Engine
-from specrun.kernels.params import NGRAM_TYPES, EngineParams
+from specrun.kernels.params import MODEL_TYPES, NGRAM_TYPES, SPEC_TYPE, EngineParams, check_md, no_mtp_heads
 
 from .console import err_console, exit_on_interrupt, note, resolve
 from .options import AUTO, INFER
@@ -73,10 +73,8 @@ def draft_types(params: EngineParams, draft: ModelSpec | None, draft_name: str) 
     (MTP heads: draft-mtp; a whole model: draft-simple), said in one line on stderr, as llama.cpp
     infers it from the draft GGUF; none without -md. An -md that the given types never use is noted."""
     types = params.spec.types
+    check_md(types, draft is not None)
     if "draft-eagle3" in types:
-        if draft is None:
-            raise SpecrunError("--spec-type draft-eagle3 needs an EAGLE-3 draft: add -md EAGLE3.gguf "
-                               "(converted for this model)")
         why = eagle3_problem(draft)
         if why:
             raise SpecrunError(f"-md {draft_name} cannot be used with --spec-type draft-eagle3: {why}")
@@ -93,7 +91,7 @@ def draft_types(params: EngineParams, draft: ModelSpec | None, draft_name: str) 
                           ("draft-mtp", "MTP heads") if heads else ("draft-simple", "a whole model"))
         note(f"spec type: {inferred}, inferred from -md {draft_name} ({what}); --spec-type chooses another")
         return (inferred,)
-    if draft is not None and types != AUTO and not {"draft-simple", "draft-eagle3", "draft-mtp"} & set(types):
+    if draft is not None and types != AUTO and not set(MODEL_TYPES) & set(types):
         note(f"-md {draft_name}: not used, as --spec-type {','.join(types) or 'none'} has no draft type; "
              "add draft (a draft model), draft-eagle3 (an EAGLE-3 draft) or draft-mtp (MTP heads)")
     return types
@@ -138,14 +136,12 @@ def prepare(model: str, params: EngineParams) -> tuple[Path, EngineParams]:
         if not c.ok:
             raise IncompatibleDraft(f"draft model {name} cannot draft for {path.name}: {c.reason}")
     if "draft-mtp" in types and types != AUTO:
-        if draft is not None and not draft.is_eagle3 and not {"draft-simple", "draft-eagle3"} & set(types):
+        if draft is not None and not draft.is_eagle3 and not any(SPEC_TYPE[t].md for t in types):
             c = check_mtp_heads_compatible(spec, draft)     # the engine reads the heads of -md then
             if not c.ok:
                 raise IncompatibleDraft(f"-md {name} cannot be the MTP heads of {path.name}: {c.reason}")
         elif not spec.has_mtp:
-            raise SpecrunError(f"{path}: the model has no MTP heads, so --spec-type draft-mtp is not available; "
-                               f"run `specrun inspect {path}` to see what it holds, or pass MTP heads with "
-                               "-md HEADS.gguf")
+            raise no_mtp_heads(path)
     if params.spec.types == AUTO:
         params = replace(params, spec=replace(params.spec, types=available_types(path, params.draft_model)))
     if params.placement is not None and "draft-mtp" in params.spec.types and not params.draft_model:

@@ -24,6 +24,7 @@ from specrun.kernels.constrain import check_controls
 from specrun.kernels.grammar import GrammarError, check_grammar, schema_to_gbnf
 from specrun.kernels.params import (
     KV_TYPES,
+    SPEC_TYPE_LIST,
     EngineParams,
     KVParams,
     NgramCacheParams,
@@ -31,6 +32,7 @@ from specrun.kernels.params import (
     NgramModParams,
     SpecParams,
     parse_spec_types,
+    spelled,
 )
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
@@ -42,6 +44,8 @@ INFER = ("infer",)   # no --spec-type: loading.prepare() infers it from -md's fi
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"   # the registry model with a chat template
 UBATCH_DEFAULT = 512
 MAX_THREADS = 512     # ggml.h GGML_MAX_N_THREADS: more crash the CPU backend (-t 100000: SIGSEGV)
+# the --spec-* defaults (llama.cpp's common.h), written once in kernels.params
+SPEC_DEFAULT, MAP_DEFAULT, MOD_DEFAULT = SpecParams(), NgramMapParams(), NgramModParams()
 
 
 def _spec_type(ctx, param, value):
@@ -161,48 +165,57 @@ def ngram_family_options(f):
     f = click.option("-lcs", "--lookup-cache-static", "lookup_static", default=None, metavar="FNAME",
                      type=click.Path(exists=True, dir_okay=False),
                      help="ngram-cache: an n-gram cache file (llama-lookup-create) that validates drafts")(f)
-    for name, default, lo, what in (("n-max", 64, 0, "the longest chain of lookups (its draft's bound)"),
-                                    ("n-min", 48, 0, "a chain that breaks before N tokens drafts nothing"),
-                                    ("n-match", 24, 1, "the length of the hashed n-grams")):
+    mod = MOD_DEFAULT
+    for name, default, lo, what in (("n-max", mod.n_max, 0, "the longest chain of lookups (its draft's bound)"),
+                                    ("n-min", mod.n_min, 0, "a chain that breaks before N tokens drafts nothing"),
+                                    ("n-match", mod.n_match, 1, "the length of the hashed n-grams")):
         f = click.option(f"--spec-ngram-mod-{name}", f"mod_{name.replace('-', '_')}", type=click.IntRange(lo, 1024),
                          default=default, show_default=True, help=f"ngram-mod: {what}")(f)
     for t in ("k4v", "k"):
-        f = click.option(f"--spec-ngram-map-{t}-min-hits", f"map_{t}_hits", type=click.IntRange(1), default=1,
-                         show_default=True, help=f"ngram-map-{t}: lookups of a key before it drafts" +
+        f = click.option(f"--spec-ngram-map-{t}-min-hits", f"map_{t}_hits", type=click.IntRange(1),
+                         default=MAP_DEFAULT.min_hits, show_default=True, help=f"ngram-map-{t}: lookups of a key before it drafts" +
                          (" (accepted; llama.cpp's ngram-map-k does not read it)" if t == "k" else ""))(f)
-        f = click.option(f"--spec-ngram-map-{t}-size-m", f"map_{t}_m", type=size, default=48, show_default=True,
-                         help=f"ngram-map-{t}: the most tokens drafted after a key (its draft's bound)")(f)
-        f = click.option(f"--spec-ngram-map-{t}-size-n", f"map_{t}_n", type=size, default=12, show_default=True,
-                         help=f"ngram-map-{t}: the key, the last N tokens looked up")(f)
+        f = click.option(f"--spec-ngram-map-{t}-size-m", f"map_{t}_m", type=size, default=MAP_DEFAULT.size_m,
+                         show_default=True, help=f"ngram-map-{t}: the most tokens drafted after a key (its draft's bound)")(f)
+        f = click.option(f"--spec-ngram-map-{t}-size-n", f"map_{t}_n", type=size, default=MAP_DEFAULT.size_n,
+                         show_default=True, help=f"ngram-map-{t}: the key, the last N tokens looked up")(f)
     return f
 
 
 def ngram_family_params(kw: dict) -> dict:
     """ngram_family_options' values as SpecParams fields."""
-    return dict(ngram_map_k=NgramMapParams(kw.get("map_k_n", 12), kw.get("map_k_m", 48), kw.get("map_k_hits", 1)),
-                ngram_map_k4v=NgramMapParams(kw.get("map_k4v_n", 12), kw.get("map_k4v_m", 48),
-                                             kw.get("map_k4v_hits", 1)),
-                ngram_mod=NgramModParams(kw.get("mod_n_match", 24), kw.get("mod_n_min", 48), kw.get("mod_n_max", 64)),
+    m, mod = MAP_DEFAULT, MOD_DEFAULT
+    return dict(ngram_map_k=NgramMapParams(kw.get("map_k_n", m.size_n), kw.get("map_k_m", m.size_m),
+                                           kw.get("map_k_hits", m.min_hits)),
+                ngram_map_k4v=NgramMapParams(kw.get("map_k4v_n", m.size_n), kw.get("map_k4v_m", m.size_m),
+                                             kw.get("map_k4v_hits", m.min_hits)),
+                ngram_mod=NgramModParams(kw.get("mod_n_match", mod.n_match), kw.get("mod_n_min", mod.n_min),
+                                         kw.get("mod_n_max", mod.n_max)),
                 ngram_cache=NgramCacheParams(kw.get("lookup_static"), kw.get("lookup_dynamic")))
 
 
 def spec_options(f):
     @click.option("--spec-type", "spec_type", callback=_spec_type, default=None,
-                  help="comma-separated: none, draft-simple (alias draft), draft-eagle3, draft-mtp, ngram-simple, "
-                       "ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache; or auto "
+                  help=f"comma-separated: none, {spelled(SPEC_TYPE_LIST)}; or auto "
                        "(measured on this model and machine)  [default: none; with -md, the type its file holds]")
-    @click.option("--spec-draft-n-max", "n_max", type=click.IntRange(1), default=3, show_default=True,
+    @click.option("--spec-draft-n-max", "n_max", type=click.IntRange(1), default=SPEC_DEFAULT.n_max,
+                  show_default=True,
                   help="most tokens a draft model, EAGLE-3 draft or MTP heads draft per step (n-gram drafts: "
                        "--spec-ngram-simple-size-m)")
-    @click.option("--spec-draft-n-min", "n_min", type=click.IntRange(0), default=0, show_default=True,
+    @click.option("--spec-draft-n-min", "n_min", type=click.IntRange(0), default=SPEC_DEFAULT.n_min,
+                  show_default=True,
                   help="drafts shorter than this are not verified")
-    @click.option("--spec-draft-p-min", "p_min", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+    @click.option("--spec-draft-p-min", "p_min", type=click.FloatRange(0, 1), default=SPEC_DEFAULT.p_min,
+                  show_default=True,
                   help="stop drafting when the draft's top-1 probability falls below this (greedy drafts)")
-    @click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=12, show_default=True,
+    @click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=SPEC_DEFAULT.ngram_size_n,
+                  show_default=True,
                   help="n-gram drafts: the length of the pattern looked up in the text so far")
-    @click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=48, show_default=True,
+    @click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=SPEC_DEFAULT.ngram_size_m,
+                  show_default=True,
                   help="n-gram drafts: the most tokens copied after the match (an n-gram draft's length bound)")
-    @click.option("--spec-ngram-simple-min-hits", "ngram_hits", type=click.IntRange(1), default=1, show_default=True)
+    @click.option("--spec-ngram-simple-min-hits", "ngram_hits", type=click.IntRange(1),
+                  default=SPEC_DEFAULT.ngram_min_hits, show_default=True)
     @click.option("--spec-ngram-simple-match", "ngram_match", type=click.Choice(["last", "longest"]), default=None,
                   help="which earlier occurrence of the pattern an n-gram draft copies from: last (llama.cpp's) or "
                        "longest, the one whose preceding tokens match the most (specrun's)  [default: last; "
@@ -329,10 +342,12 @@ def chat_template_choice(kw: dict) -> tuple[str | None, str | None]:
 
 def spec_params(kw: dict) -> SpecParams:
     """The --spec-* options (those of spec_options; bench has its own subset). types may be AUTO or INFER."""
-    return SpecParams(types=kw.get("spec_type", ()), n_max=kw.get("n_max", 3), n_min=kw.get("n_min", 0),
-                      p_min=kw.get("p_min", 0.0), ngram_size_n=kw.get("ngram_n", 12),
-                      ngram_size_m=kw.get("ngram_m", 48), ngram_min_hits=kw.get("ngram_hits", 1),
-                      ngram_match=kw.get("ngram_match"), verify=kw.get("verify", "auto"), adaptive=kw.get("adaptive", False), **ngram_family_params(kw))
+    d = SPEC_DEFAULT
+    return SpecParams(types=kw.get("spec_type", ()), n_max=kw.get("n_max", d.n_max), n_min=kw.get("n_min", d.n_min),
+                      p_min=kw.get("p_min", d.p_min), ngram_size_n=kw.get("ngram_n", d.ngram_size_n),
+                      ngram_size_m=kw.get("ngram_m", d.ngram_size_m), ngram_min_hits=kw.get("ngram_hits", d.ngram_min_hits),
+                      ngram_match=kw.get("ngram_match"), verify=kw.get("verify", d.verify),
+                      adaptive=kw.get("adaptive", d.adaptive), **ngram_family_params(kw))
 
 
 def unapplied(kw: dict) -> list[str]:

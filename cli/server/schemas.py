@@ -21,6 +21,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from specrun.kernels.params import IN_ORDER, spelled
+
 MAX_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed, as -1 is
 INT32_MAX = 2**31 - 1  # llama-server's bound on repeat_last_n
 
@@ -139,10 +141,9 @@ class Speculative(_Body):
     """Per-request speculative decoding (llama.cpp's --spec-* options). The output does not depend
     on it: only how fast it comes."""
 
-    type: Text | None = Field(None, description="comma-separated spec types: none, ngram-simple, ngram-map-k, "
-                             "ngram-map-k4v, ngram-mod, ngram-cache, draft-simple (alias draft), draft-eagle3, "
-                             "draft-mtp; only those the server can build (GET /v1/models lists them). Default: "
-                             "the server's --spec-type", examples=["ngram-simple"])
+    type: Text | None = Field(None, description=f"comma-separated spec types: none, {spelled(IN_ORDER)}; only "
+                             "those the server can build (GET /v1/models lists them). Default: the server's "
+                             "--spec-type", examples=["ngram-simple"])
     # bounded by the server's cap for model drafters (state.py: a 400 that names it); n-gram drafts by their own flags
     n_max: int | None = Field(None, ge=1, le=1024, description="most tokens drafted per step by a draft model, "
                               "EAGLE-3 or MTP heads (at most the server's cap: spec_n_max_cap in GET /v1/models)")

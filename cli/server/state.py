@@ -19,7 +19,7 @@ from specrun.kernels.chat_template import TemplateError
 from specrun.kernels.constrain import check_controls
 from specrun.kernels.grammar import Grammar, GrammarError, schema_to_gbnf
 from specrun.kernels.llama import MAX_EXACT_BATCH
-from specrun.kernels.params import NGRAM_TYPES, SpecParams, parse_spec_types
+from specrun.kernels.params import MODEL_TYPES, SpecParams, parse_spec_types
 from specrun.kernels.rpc import WorkerLost
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
@@ -158,13 +158,13 @@ class ServerState:
         spec = replace(spec, n_max=spec.n_max if sp.n_max is None else sp.n_max,
                        n_min=spec.n_min if sp.n_min is None else sp.n_min,
                        p_min=spec.p_min if sp.p_min is None else sp.p_min)
-        if any(t not in NGRAM_TYPES for t in spec.types) and spec.n_max > self.n_max_cap:
+        if any(t in MODEL_TYPES for t in spec.types) and spec.n_max > self.n_max_cap:
             # the engine's rule for model drafters (n-gram drafts are bounded by their size_m), checked
             # here so that the request never takes a slot
             why = (f"exact mode verifies at most {MAX_EXACT_BATCH - 1} draft tokens"
                    if self.exact and self.n_max_cap == MAX_EXACT_BATCH - 1 else "set when the server started")
             raise ApiError(400, f"speculative.n_max: draft n-max {spec.n_max} is above this server's cap of "
-                           f"{self.n_max_cap} for draft-simple, draft-eagle3 and draft-mtp ({why}); ask for at most "
+                           f"{self.n_max_cap} for {', '.join(MODEL_TYPES[:-1])} and {MODEL_TYPES[-1]} ({why}); ask for at most "
                            f"{self.n_max_cap}, or restart the server with a larger --spec-draft-n-max",
                            "invalid_value")
         return spec

@@ -10,49 +10,58 @@
     draft_mtp.py      draft-mtp      the MTP (NextN) heads stored in the GGUF, fed the target's hidden rows
 
 Every drafter implements kernels.types.Drafter (begin / propose / accept / close) and sees the
-target only through a TargetView.
+target only through a TargetView; its classmethod from_spec(target, spec, draft_path=,
+heads_path=) builds it from a SpecParams. What a spec type is (its name, order, flags, bounds) is
+its line in kernels.params.SPEC_TYPE_LIST, which names the class; everything here derives from it.
 """
 
 from __future__ import annotations
 
+import importlib
+
 from specrun.gguf_spec.errors import SpecrunError
 
-from ..params import SpecParams
+from ..params import SPEC_TYPE, SPEC_TYPE_LIST, SpecParams, SpecType, check_md
 from ..types import Drafter
 from .base import TargetView
 from .draft_eagle3 import DraftEagle3
 from .draft_model import DraftModel
 from .draft_mtp import DraftMTP
-from .ngram_cache import N_DRAFT, NgramCache
+from .ngram_cache import NgramCache
 from .ngram_map import NgramMapK, NgramMapK4V
 from .ngram_mod import NgramMod
 from .ngram_simple import NgramSimple
 
-__all__ = ["HIDDEN_TYPES", "DraftEagle3", "DraftMTP", "DraftModel", "NgramCache", "NgramMapK", "NgramMapK4V", "NgramMod",
-           "NgramSimple", "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
+__all__ = ["DRAFTERS", "HIDDEN_TYPES", "DraftEagle3", "DraftMTP", "DraftModel", "NgramCache", "NgramMapK",
+           "NgramMapK4V", "NgramMod", "NgramSimple", "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
+
+
+def _drafter_class(t: SpecType) -> type:
+    module, name = t.drafter.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f".{module}", __name__), name)
+    assert cls.spec_type == t.name and cls.needs_hidden == t.hidden, f"{t.drafter} does not draft {t.name} as listed"
+    return cls
+
+
+DRAFTERS = {t.name: _drafter_class(t) for t in SPEC_TYPE_LIST}   # spec type -> its drafter class
 
 # the spec types whose drafters read the target's rows (Drafter.needs_hidden): draft-mtp, draft-eagle3
-HIDDEN_TYPES = frozenset(c.spec_type for c in (DraftEagle3, DraftModel, DraftMTP, NgramCache, NgramMapK, NgramMapK4V,
-                                               NgramMod, NgramSimple) if c.needs_hidden)
+HIDDEN_TYPES = frozenset(t.name for t in SPEC_TYPE_LIST if t.hidden)
 
 
 def draft_n_max(spec_type: str, spec: SpecParams) -> int:
     """The longest draft of a drafter, as llama.cpp bounds it (common_speculative_n_max): an n-gram
     drafter's own bound (ngram-simple / map-k / map-k4v: their size_m, ngram-mod: --spec-ngram-mod-n-max,
-    ngram-cache: 8), a model drafts at most --spec-draft-n-max tokens. The engine adds its own
-    bounds (context room, tokens left, its cap)."""
-    return {"ngram-simple": spec.ngram_size_m, "ngram-map-k": spec.ngram_map_k.size_m,
-            "ngram-map-k4v": spec.ngram_map_k4v.size_m, "ngram-mod": spec.ngram_mod.n_max,
-            "ngram-cache": N_DRAFT}.get(spec_type, spec.n_max)
+    ngram-cache: 8), a model drafts at most --spec-draft-n-max tokens (as does any drafter of
+    another name, a test's). The engine adds its own bounds (context room, tokens left, its cap)."""
+    own = SPEC_TYPE.get(spec_type)
+    return own.n_max(spec) if own is not None else spec.n_max
 
 
 def drafter_key(spec_type: str, spec: SpecParams) -> tuple:
     """The settings that make two drafters of a type different (an engine caches one per key)."""
-    if spec_type == "ngram-simple":
-        return (spec_type, spec.ngram_size_n, spec.ngram_size_m, spec.ngram_match or "last")
-    own = {"ngram-map-k": spec.ngram_map_k, "ngram-map-k4v": spec.ngram_map_k4v, "ngram-mod": spec.ngram_mod,
-           "ngram-cache": spec.ngram_cache}.get(spec_type)
-    return (spec_type,) if own is None else (spec_type, own)
+    own = SPEC_TYPE.get(spec_type)
+    return (spec_type,) if own is None else (spec_type, *own.key(spec))
 
 
 def make_drafter(spec_type: str, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
@@ -60,25 +69,7 @@ def make_drafter(spec_type: str, target: TargetView, spec: SpecParams, *, draft_
     """A new drafter of spec_type. draft_path: the -md model of draft-simple or draft-eagle3;
     heads_path: an MTP-only GGUF for draft-mtp (None: the target's own heads, which must have been
     loaded)."""
-    if spec_type == "ngram-simple":
-        return NgramSimple(spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits, spec.ngram_match or "last")
-    if spec_type in ("ngram-map-k", "ngram-map-k4v"):
-        p = spec.ngram_map_k if spec_type == "ngram-map-k" else spec.ngram_map_k4v
-        return (NgramMapK if spec_type == "ngram-map-k" else NgramMapK4V)(p.size_n, p.size_m, p.min_hits)
-    if spec_type == "ngram-mod":
-        return NgramMod(spec.ngram_mod.n_match, spec.ngram_mod.n_min, spec.ngram_mod.n_max)
-    if spec_type == "ngram-cache":
-        return NgramCache(spec.ngram_cache.lookup_cache_static, spec.ngram_cache.lookup_cache_dynamic)
-    if spec_type == "draft-simple":
-        if not draft_path:
-            raise SpecrunError("--spec-type draft needs a draft model: add -md DRAFT.gguf "
-                               "(a small model of the same family)")
-        return DraftModel(target, draft_path)
-    if spec_type == "draft-eagle3":
-        if not draft_path:
-            raise SpecrunError("--spec-type draft-eagle3 needs an EAGLE-3 draft: add -md EAGLE3.gguf "
-                               "(converted for this model)")
-        return DraftEagle3(target, draft_path)
-    if spec_type == "draft-mtp":
-        return DraftMTP(target, heads_path)
-    raise SpecrunError(f"unknown spec type '{spec_type}'")
+    if spec_type not in DRAFTERS:
+        raise SpecrunError(f"unknown spec type '{spec_type}'")
+    check_md((spec_type,), bool(draft_path))
+    return DRAFTERS[spec_type].from_spec(target, spec, draft_path=draft_path, heads_path=heads_path)

@@ -34,6 +34,7 @@ from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import load_spec
 
 from ..llama import Context, ContextParams, Model
+from ..params import SpecParams
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
 from .base import DraftRows, TargetView, draft_steps
 
@@ -45,6 +46,12 @@ FOLD_ROWS = 32    # the most rows written in the batch that ends with the bounda
 class DraftEagle3:
     spec_type: ClassVar[str] = "draft-eagle3"
     needs_hidden: ClassVar[bool] = True
+
+    @classmethod
+    def from_spec(cls, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
+                  heads_path: str | None = None) -> DraftEagle3:
+        """A drafter with spec's settings (what drafters.make_drafter calls)."""
+        return cls(target, draft_path)
 
     def __init__(self, target: TargetView, path: str) -> None:
         """path: the EAGLE-3 GGUF. Checked against the target's file first (llama.cpp aborts the

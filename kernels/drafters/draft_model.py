@@ -18,6 +18,7 @@ from specrun.gguf_spec.errors import IncompatibleDraft, SpecrunError
 from specrun.gguf_spec.spec import load_spec
 
 from ..llama import Context, ContextParams, Model
+from ..params import SpecParams
 from ..prefill import FastPrefill, fast_len
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
 from .base import TargetView, draft_steps
@@ -28,6 +29,12 @@ log = logging.getLogger(__name__)
 class DraftModel:
     spec_type: ClassVar[str] = "draft-simple"
     needs_hidden: ClassVar[bool] = False
+
+    @classmethod
+    def from_spec(cls, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
+                  heads_path: str | None = None) -> DraftModel:
+        """A drafter with spec's settings (what drafters.make_drafter calls)."""
+        return cls(target, draft_path)
 
     def __init__(self, target: TargetView, path: str) -> None:
         compat = check_draft_compatible(load_spec(target.model.path), load_spec(path))

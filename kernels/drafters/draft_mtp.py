@@ -23,6 +23,7 @@ from llama_cpp import llama_cpp_ext as X
 from specrun.gguf_spec.errors import SpecrunError
 
 from ..llama import Context, ContextParams, Model
+from ..params import SpecParams
 from ..types import Draft, DraftOptions, TargetPass, common_prefix
 from .base import DraftRows, TargetView, draft_steps
 
@@ -32,6 +33,12 @@ log = logging.getLogger(__name__)
 class DraftMTP:
     spec_type: ClassVar[str] = "draft-mtp"
     needs_hidden: ClassVar[bool] = True
+
+    @classmethod
+    def from_spec(cls, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
+                  heads_path: str | None = None) -> DraftMTP:
+        """A drafter with spec's settings (what drafters.make_drafter calls)."""
+        return cls(target, heads_path)
 
     def __init__(self, target: TargetView, heads_path: str | None = None) -> None:
         """heads_path: an MTP-only GGUF (`specrun extract-mtp`); None: the target's own heads."""

@@ -15,11 +15,13 @@ import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
+from ..params import NGRAM_CACHE_N_DRAFT, SpecParams
 from ..types import Draft, DraftOptions, TargetPass
+from .base import TargetView
 
 # llama.cpp common/ngram-cache.{h,cpp} and create_state_ngram_cache
 NGRAM_MIN, NGRAM_MAX, NGRAM_STATIC = 1, 4, 2
-N_DRAFT = 8                                          # fixed in llama.cpp ("TODO get from config?")
+N_DRAFT = NGRAM_CACHE_N_DRAFT
 MIN_SAMPLES_LAX, MIN_PERCENT_LAX = (2, 2, 1, 1), (66, 50, 50, 50)          # by n-gram size 1..4
 MIN_SAMPLES_STRICT, MIN_PERCENT_STRICT = (4, 3, 2, 2), (75, 66, 66, 66)
 TOKEN_NULL = -1
@@ -192,6 +194,12 @@ class NgramCache:
         self.dynamic: Cache = load_cache(lookup_cache_dynamic, "--lookup-cache-dynamic") if lookup_cache_dynamic else {}
         self.context: Cache = {}
         self.size = 0
+
+    @classmethod
+    def from_spec(cls, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
+                  heads_path: str | None = None) -> NgramCache:
+        """A drafter with spec's settings (what drafters.make_drafter calls)."""
+        return cls(spec.ngram_cache.lookup_cache_static, spec.ngram_cache.lookup_cache_dynamic)
 
     def begin(self, prompt: np.ndarray, n_keep: int = 0, opts: DraftOptions | None = None) -> int:
         """Nothing (llama.cpp's is a no-op): the cache and its size carry over. No model state."""

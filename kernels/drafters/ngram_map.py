@@ -13,8 +13,11 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..params import NgramMapParams, SpecParams
 from ..types import Draft, DraftOptions, TargetPass
-from .base import NgramIndex, Proposed
+from .base import NgramIndex, Proposed, TargetView
+
+_DEFAULTS = NgramMapParams()   # llama.cpp common.h's
 
 # llama.cpp common/ngram-map.{h,cpp}
 LCG_FACTOR = 2654435761
@@ -108,7 +111,8 @@ class NgramMap:
     key_only: ClassVar[bool] = True
     needs_hidden: ClassVar[bool] = False
 
-    def __init__(self, size_n: int = 12, size_m: int = 48, min_hits: int = 1):
+    def __init__(self, size_n: int = _DEFAULTS.size_n, size_m: int = _DEFAULTS.size_m,
+                 min_hits: int = _DEFAULTS.min_hits):
         if not (1 <= size_n <= 1024 and 1 <= size_m <= 1024) or min_hits < 1:
             raise ValueError(f"{self.spec_type} needs 1 <= size_n, size_m <= 1024 and min_hits >= 1 "
                              f"(got size_n={size_n}, size_m={size_m}, min_hits={min_hits})")
@@ -262,9 +266,21 @@ class NgramMapK(NgramMap):
     spec_type: ClassVar[str] = "ngram-map-k"
     key_only: ClassVar[bool] = True
 
+    @classmethod
+    def from_spec(cls, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
+                  heads_path: str | None = None) -> NgramMapK:
+        """A drafter with spec's settings (what drafters.make_drafter calls)."""
+        return cls(spec.ngram_map_k.size_n, spec.ngram_map_k.size_m, spec.ngram_map_k.min_hits)
+
 
 class NgramMapK4V(NgramMap):
     """`ngram-map-k4v`: keys with up to four m-grams counted; drafts when one dominates (see NgramMap)."""
 
     spec_type: ClassVar[str] = "ngram-map-k4v"
     key_only: ClassVar[bool] = False
+
+    @classmethod
+    def from_spec(cls, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
+                  heads_path: str | None = None) -> NgramMapK4V:
+        """A drafter with spec's settings (what drafters.make_drafter calls)."""
+        return cls(spec.ngram_map_k4v.size_n, spec.ngram_map_k4v.size_m, spec.ngram_map_k4v.min_hits)

@@ -12,8 +12,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..params import NgramModParams, SpecParams
 from ..types import Draft, DraftOptions, TargetPass
-from .base import Proposed
+from .base import Proposed, TargetView
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ LOW_ACCEPT = 0.25               # a draft with fewer accepted / drafted tokens i
 LOW_STREAK = 5                  # ... and this many in a row empty the pool
 
 _MASK = POOL_SIZE - 1
+_DEFAULTS = NgramModParams()    # llama.cpp common.h's
 _MULT = MULT & _MASK            # h mod 2^22 needs only MULT mod 2^22 (POOL_SIZE divides 2^64)
 
 
@@ -75,7 +77,7 @@ class NgramMod:
     spec_type: ClassVar[str] = "ngram-mod"
     needs_hidden: ClassVar[bool] = False
 
-    def __init__(self, n_match: int = 24, n_min: int = 48, n_max: int = 64):
+    def __init__(self, n_match: int = _DEFAULTS.n_match, n_min: int = _DEFAULTS.n_min, n_max: int = _DEFAULTS.n_max):
         if not (1 <= n_match <= 1024 and 0 <= n_min <= 1024 and 0 <= n_max <= 1024):
             raise ValueError(f"ngram-mod needs 1 <= n_match <= 1024 and 0 <= n_min, n_max <= 1024 "
                              f"(got n_match={n_match}, n_min={n_min}, n_max={n_max})")
@@ -89,6 +91,12 @@ class NgramMod:
         self._n_low = 0
         self._n_draft_last = 0
         self._proposed: Proposed | None = None
+
+    @classmethod
+    def from_spec(cls, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
+                  heads_path: str | None = None) -> NgramMod:
+        """A drafter with spec's settings (what drafters.make_drafter calls)."""
+        return cls(spec.ngram_mod.n_match, spec.ngram_mod.n_min, spec.ngram_mod.n_max)
 
     def begin(self, prompt: np.ndarray, n_keep: int = 0, opts: DraftOptions | None = None) -> int:
         """Adds the prompt's n-grams (see the class docstring). No model state: any KV reuse suits it."""

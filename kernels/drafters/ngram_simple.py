@@ -10,13 +10,11 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..params import SpecParams
 from ..types import Draft, DraftOptions, TargetPass
-from .base import NgramIndex
+from .base import NgramIndex, TargetView
 
-# llama.cpp common.h, common_params_speculative_ngram_map
-SIZE_N_DEFAULT = 12
-SIZE_M_DEFAULT = 48
-MIN_HITS_DEFAULT = 1
+_DEFAULTS = SpecParams()   # llama.cpp common.h's (common_params_speculative_ngram_map)
 MATCHES = ("last", "longest")   # which earlier occurrence a draft copies from (see NgramSimple)
 BACK_MAX = 64          # "longest": preceding tokens compared per occurrence
 CANDIDATES_MAX = 256   # "longest": the latest occurrences weighed (bounds a pass's lookup on a long context)
@@ -72,7 +70,8 @@ class NgramSimple:
     spec_type: ClassVar[str] = "ngram-simple"
     needs_hidden: ClassVar[bool] = False
 
-    def __init__(self, size_n: int = SIZE_N_DEFAULT, size_m: int = SIZE_M_DEFAULT, min_hits: int = MIN_HITS_DEFAULT,
+    def __init__(self, size_n: int = _DEFAULTS.ngram_size_n, size_m: int = _DEFAULTS.ngram_size_m,
+                 min_hits: int = _DEFAULTS.ngram_min_hits,
                  match: str = "last"):
         if size_n < 1 or size_m < 1:
             raise ValueError(f"ngram-simple needs size_n >= 1 and size_m >= 1 (got size_n={size_n}, size_m={size_m})")
@@ -83,6 +82,12 @@ class NgramSimple:
         self.min_hits = min_hits  # unused, as in llama.cpp's ngram-simple
         self.match = match
         self._index = NgramIndex(size_n)
+
+    @classmethod
+    def from_spec(cls, target: TargetView, spec: SpecParams, *, draft_path: str | None = None,
+                  heads_path: str | None = None) -> NgramSimple:
+        """A drafter with spec's settings (what drafters.make_drafter calls)."""
+        return cls(spec.ngram_size_n, spec.ngram_size_m, spec.ngram_min_hits, spec.ngram_match or "last")
 
     def begin(self, prompt: np.ndarray, n_keep: int = 0, opts: DraftOptions | None = None) -> int:
         """A new sequence: index `prompt` (keeping the index of a prefix it extends). No model
