@@ -43,6 +43,7 @@ from specrun.kernels.types import SamplingParams
 
 from .runtime.chat import ChatFormat
 from .runtime.console import err_console, handle_errors, setup_logging
+from .runtime.help import SectionedCommand
 from .runtime.loading import open_engine, prepare
 from .runtime.options import (
     AUTO,
@@ -380,7 +381,7 @@ def _out_console(to_stderr: bool) -> Console:
     return Console(file=f, highlight=False, width=None if f.isatty() else 160)
 
 
-@click.command("bench")
+@click.command("bench", cls=SectionedCommand)
 @model_options
 @click.option("--spec-type", "spec_type", default=None,
               help="comma-separated settings to compare, 'a+b' for a combination "

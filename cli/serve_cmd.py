@@ -22,6 +22,7 @@ import click
 
 from .runtime.auto import resolve_auto
 from .runtime.console import err_console, handle_errors, setup_logging
+from .runtime.help import SectionedCommand
 from .runtime.loading import open_engines
 from .runtime.options import (
     AUTO,
@@ -63,7 +64,7 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
             "address can use the model; give --api-key KEY, or bind 127.0.0.1")
 
 
-@click.command("serve")
+@click.command("serve", cls=SectionedCommand)
 @model_options
 @spec_options
 @sampling_options
