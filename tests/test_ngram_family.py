@@ -1,7 +1,7 @@
 """ngram-map-k, ngram-map-k4v, ngram-mod and ngram-cache against llama.cpp (common/ngram-*.cpp).
 
 Hand-worked tables for each rule; the same rules against llama.cpp's own code of the pinned version
-(compiled with g++ from build/peers when it is there: random histories, drafts and acceptances, token
+(compiled with g++ from tests/vendor/llama.cpp: random histories, drafts and acceptances, token
 for token); the flags; and (slow) output equal to `none` on real models with some tokens accepted.
 """
 
@@ -34,7 +34,7 @@ from specrun.kernels.params import (
 from specrun.kernels.types import Draft, TargetPass
 
 A, B, C, D, E, F, G, H, P, Q, R, S, U, V, W, X, Y, Z = range(10, 28)
-LLAMA_COMMON = Path(__file__).parents[1] / "build/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/common"
+VENDOR = Path(__file__).parent / "vendor" / "llama.cpp"     # common/ngram-*.{h,cpp} and shim headers
 
 
 def i32(tokens) -> np.ndarray:
@@ -406,27 +406,17 @@ class Ref:
         assert self.proc.wait(timeout=10) == 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ref_exe(tmp_path_factory) -> Path:
-    if shutil.which("g++") is None or not (LLAMA_COMMON / "ngram-map.cpp").exists():
-        pytest.skip("needs g++ and llama.cpp's sources under build/peers (make bench-peers unpacks them)")
-    d = tmp_path_factory.mktemp("ngram_ref")
-    for name in ("ngram-map", "ngram-mod", "ngram-cache"):
-        for ext in (".h", ".cpp"):
-            shutil.copy(LLAMA_COMMON / (name + ext), d)
-    (d / "llama.h").write_text("#pragma once\n#include <cstdint>\ntypedef int32_t llama_token;\n"
-                               "#define LLAMA_TOKEN_NULL -1\n")
-    (d / "common.h").write_text(
-        "#pragma once\n#include \"llama.h\"\n#include <cstdio>\n#include <cstdlib>\n#include <string>\n"
-        "#include <vector>\ntypedef std::vector<llama_token> llama_tokens;\n"
-        "#define GGML_ABORT(...) do { fprintf(stderr, __VA_ARGS__); abort(); } while (0)\n"
-        "#define GGML_ASSERT(x) do { if (!(x)) abort(); } while (0)\n"
-        "static inline int64_t ggml_time_ms() { return 0; }\n")
-    (d / "log.h").write_text("#pragma once\n#define LOG_DBG(...) ((void) 0)\n#define LOG_INF(...) ((void) 0)\n")
-    shutil.copy(Path(__file__).parent / "data" / "ngram_ref.cpp", d)
-    exe = d / "ngram_ref"
-    subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(exe), "ngram_ref.cpp", "ngram-map.cpp", "ngram-mod.cpp",
-                    "ngram-cache.cpp"], cwd=d, check=True, capture_output=True)
+    """tests/data/ngram_ref.cpp and the vendored llama.cpp sources, compiled once a session."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to compile llama.cpp's n-gram sources (tests/vendor/llama.cpp)")
+    exe = tmp_path_factory.mktemp("ngram_ref") / "ngram_ref"
+    sources = [Path(__file__).parent / "data" / "ngram_ref.cpp"]
+    sources += [VENDOR / "common" / f"{name}.cpp" for name in ("ngram-map", "ngram-mod", "ngram-cache")]
+    r = subprocess.run(["g++", "-O1", "-std=c++17", "-I", str(VENDOR / "common"), "-I", str(VENDOR / "shim"),
+                        "-o", str(exe), *map(str, sources)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
     return exe
 
 
