@@ -4,28 +4,24 @@ with --parallel slots over one loaded model.
 The port is bound first and answers 503 `loading` while the model loads (in a thread). SIGTERM or
 Ctrl-C: new requests get 503, queued ones 503 at once, those in flight get --drain-timeout seconds
 to finish and are then stopped with an error (a JSON 503, or an SSE error event); then the process
-exits 0. A second signal stops the generations in flight at once.
+exits 0. A second signal stops the generations in flight at once. This module turns the command line
+into ServeOptions; the server's life is cli/server/lifecycle.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import ipaddress
 import os
 import socket
 import sys
-import threading
 from dataclasses import replace
 
 import click
 
-from .runtime.auto import resolve_auto
 from .runtime.console import err_console, handle_errors, setup_logging
 from .runtime.help import SectionedCommand
-from .runtime.loading import open_engines
 from .runtime.options import (
-    AUTO,
     chat_template_choice,
     engine_params,
     model_options,
@@ -34,6 +30,8 @@ from .runtime.options import (
     spec_options,
     template_options,
 )
+from .server import lifecycle
+from .server.lifecycle import ServeOptions
 from .server.state import BODY_TIMEOUT_S, DRAIN_TIMEOUT_S, MAX_BODY
 
 
@@ -99,10 +97,6 @@ def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, dr
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/messages (Anthropic),
     /completion, /tokenize, /detokenize, /apply-template, /props, /slots, /v1/models, /health,
     /metrics (OpenAPI schema at /openapi.json). -n caps each request's tokens."""
-    import uvicorn
-
-    from .server.middleware import Gate
-
     if api_key is None and os.environ.get("SPECRUN_API_KEY") is not None:
         api_key = os.environ["SPECRUN_API_KEY"]      # click reads an empty variable as unset
     if api_key is not None and not api_key.strip():
@@ -114,150 +108,19 @@ def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, dr
     sampling = sampling_params(kw)   # a bad penalty, bias or grammar: one line before the port is bound
     if not kw["threads"]:   # the cores, shared between the slots
         params = replace(params, n_threads=max(1, (os.cpu_count() or 1) // parallel))
-    with listen_socket(host, port) as sock:
-        address, bound = sock.getsockname()[:2]
-        url = f"http://{host}:{bound}"
-        if warning := exposure_warning(address, api_key):
+    options = ServeOptions(model=kw["model"], params=params, sampling=sampling, n_predict=kw["n_predict"],
+                           host=host, port=port, parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias,
+                           chat_template=chat_template, chat_template_file=chat_template_file,
+                           prefill_assistant=prefill_assistant, drain_timeout=drain_timeout, max_body=max_body,
+                           body_timeout=body_timeout, slots_endpoint=slots_endpoint, verbose=kw["verbose"])
+    with listen_socket(options.host, options.port) as sock:
+        if warning := exposure_warning(sock.getsockname()[0], options.api_key):
             err_console.print(warning, markup=False, soft_wrap=True)
-        gate = Gate()
-        server = _make_server(uvicorn.Config(gate, lifespan="off", timeout_graceful_shutdown=max(drain_timeout, 5.0),
-                                        log_level="info" if kw["verbose"] else "warning", access_log=kw["verbose"]))
-        options = dict(parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias, sampling=sampling,
-                       chat_template=chat_template, chat_template_file=chat_template_file,
-                       drain_timeout=drain_timeout, max_body=max_body, body_timeout=body_timeout,
-                       prefill_assistant=prefill_assistant, slots_endpoint=slots_endpoint)
-        loader = _Loader(kw, params, options, url, gate, server)
-        err_console.print(f"specrun serve: loading {kw['model']} on {url}", markup=False, soft_wrap=True)
-        loader.start()
-        try:
-            server.run(sockets=[sock])
-        finally:
-            loader.join()
-            if loader.state is not None:
-                loader.state.pool.close()
-        if loader.error is not None:
-            raise loader.error
-        if loader.state is not None:
-            stopped = loader.state.stopped(server.drained) if server.drained else None
-            err_console.print(f"specrun serve: stopped{': ' + stopped.line() if stopped else ''}", markup=False,
-                              soft_wrap=True)
-            if loader.state.pool.lost is not None:   # slot threads stay blocked in llama.cpp: do not join them
-                err_console.print(f"error: {loader.state.pool.lost}", style="red", markup=False, soft_wrap=True)
+        ended = lifecycle.run(options, sock)
+        if ended is not None:
+            err_console.print(f"specrun serve: stopped{': ' + ended.stopped.line() if ended.stopped else ''}",
+                              markup=False, soft_wrap=True)
+            if ended.lost is not None:   # slot threads stay blocked in llama.cpp: do not join them
+                err_console.print(f"error: {ended.lost}", style="red", markup=False, soft_wrap=True)
                 sys.stdout.flush()
                 os._exit(1)
-
-
-class _Loader(threading.Thread):
-    """Loads the engines and builds the app while the port answers 503 `loading`; then installs the
-    app in the gate. A failure (the model, a --chat-template that does not render) stops the server
-    and is raised by serve() as one line."""
-
-    def __init__(self, kw: dict, params, options: dict, url: str, gate, server) -> None:
-        super().__init__(name="specrun-load", daemon=True)
-        self.kw, self.params, self.options, self.url, self.gate, self.server = kw, params, options, url, gate, server
-        self.state = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._load()
-        except BaseException as e:  # raised again by serve() in the main thread
-            self.error = e
-            self.server.should_exit = True
-
-    def _load(self) -> None:
-        from specrun.gguf_spec.registry import KNOWN_MODELS
-        from specrun.kernels.chat_template import TemplateError
-
-        from .runtime.chat import ChatFormat
-        from .server.app import ServerConfig, ServerState, create_app
-        from .server.limits import time_limited
-        from .server.metrics import Metrics
-        from .server.slots import SlotPool
-
-        kw, opt, params = self.kw, self.options, self.params
-        auto = params.spec.types == AUTO
-        engines = open_engines(kw["model"], params, opt["parallel"], start_prefill=True)
-        pool = SlotPool(engines, opt["max_queue"])
-        if params.placement is not None:   # a worker lost: fail those requests, keep answering (kernels/rpc.py)
-            from specrun.kernels import rpc
-
-            rpc.on_worker_lost(pool.worker_lost)
-        try:
-            model = engines[0].model
-            params = engines[0].params
-            fmt, reason = None, ""
-            try:
-                fmt = time_limited(lambda: ChatFormat.load(model, opt["chat_template"], opt["chat_template_file"]))
-            except TemplateError as e:
-                if opt["chat_template"] or opt["chat_template_file"]:
-                    flag = "--chat-template" if opt["chat_template"] else "--chat-template-file"
-                    raise TemplateError(f"{flag} {opt['chat_template'] or opt['chat_template_file']}: {e}") from None
-                reason = str(e)
-            spec_types = ["none", *engines[0].spec_types]
-            if auto:
-                params = replace(params, spec=resolve_auto(engines[0], params.spec))
-                for e in engines:
-                    e.set_spec(params.spec)
-                for e in engines[1:]:   # the calibration's pass costs, for every slot
-                    e.pass_cost = engines[0].pass_cost.copy()
-            stem = os.path.splitext(os.path.basename(model.path))[0]
-            config = ServerConfig(alias=opt["alias"] or (kw["model"] if kw["model"] in KNOWN_MODELS else stem),
-                                  sampling=opt["sampling"], n_predict=kw["n_predict"], spec=params.spec,
-                                  spec_types=tuple(spec_types), max_queue=opt["max_queue"], api_key=opt["api_key"],
-                                  chat_format=fmt, no_template_reason=reason, max_body=opt["max_body"],
-                                  body_timeout=opt["body_timeout"], drain_timeout=opt["drain_timeout"],
-                                  prefill_assistant=opt["prefill_assistant"], slots_endpoint=opt["slots_endpoint"])
-            state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
-            app = create_app(state)
-        except BaseException:
-            pool.close()
-            raise
-        self.state = state
-        self.server.state = state
-        self.gate.app = app
-        n = opt["parallel"]
-        err_console.print(f"specrun serve: {config.alias} on {self.url} ({n} slot{'s' * (n > 1)}, ctx {state.n_ctx}, "
-                          f"spec {','.join(params.spec.types) or 'none'}, requests may use: {', '.join(spec_types)})",
-                          markup=False, soft_wrap=True)
-
-
-def _make_server(config):
-    """uvicorn's Server with the drain (uvicorn is imported on first use: the CLI starts faster)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, with a drain on the first SIGTERM / Ctrl-C (ServerState.shut_down) before
-        uvicorn's own shutdown; a second signal stops the generations in flight at once. It returns
-        instead of re-raising the signal: a clean exit 0."""
-
-        def __init__(self, config) -> None:
-            super().__init__(config)
-            self.state = None            # set once the model is loaded
-            self.drained = None          # slots.Drained, once the drain is over
-            self._loop: asyncio.AbstractEventLoop | None = None
-            self._signals = 0
-
-        async def startup(self, sockets=None) -> None:
-            self._loop = asyncio.get_running_loop()
-            await super().startup(sockets=sockets)
-
-        def handle_exit(self, sig, frame) -> None:
-            self._signals += 1
-            if self.state is None or self._loop is None:   # still loading: stop now
-                self.should_exit = True
-                return
-            if self._signals == 1:
-                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-            elif self._signals == 2:
-                self._loop.call_soon_threadsafe(self.state.pool.cancel_all, "shutdown")
-            else:
-                self.force_exit = True
-
-        async def _drain(self) -> None:
-            try:
-                self.drained = await self.state.shut_down()
-            finally:
-                self.should_exit = True
-
-    return Server(config)

@@ -1,5 +1,7 @@
 """`specrun serve`'s HTTP server, in the role of llama-server.
 
+    lifecycle.py       ServeOptions; run(): the loader thread (503 `loading` meanwhile), --spec-type
+                       auto's calibration, uvicorn with the drain on SIGTERM / Ctrl-C
     app.py             create_app: the routers, the error handlers, the OpenAPI schema
     routes_openai.py   /v1/completions, /v1/chat/completions
     routes_llama.py    /completion

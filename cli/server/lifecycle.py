@@ -1,0 +1,210 @@
+"""The life of `specrun serve`'s server, from a bound socket to the exit.
+
+run() starts uvicorn on the socket at once: the Gate answers 503 `loading` while the Loader thread
+opens the engines, resolves --spec-type auto (its calibration) and builds the app. On SIGTERM or
+Ctrl-C the server drains (ServerState.shut_down) before uvicorn's own shutdown; a second signal
+stops the generations in flight at once. run() returns how it ended; the command prints it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from specrun.kernels.params import EngineParams
+from specrun.kernels.types import SamplingParams
+
+from ..runtime.auto import resolve_auto
+from ..runtime.console import err_console
+from ..runtime.loading import open_engines
+from ..runtime.options import AUTO
+from .middleware import Gate
+from .state import ServerState, Stopped
+
+if TYPE_CHECKING:
+    from specrun.kernels.engine import Engine
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """`specrun serve`'s command line, checked: serve_cmd builds it once, before the port is bound."""
+
+    model: str                          # -m: a registry name or a GGUF path
+    params: EngineParams                # model and --spec-* options; --spec-type auto is resolved after loading
+    sampling: SamplingParams            # the defaults a request's fields override
+    n_predict: int                      # -n: a request's default max tokens; when > 0 also its cap
+    host: str                           # --host, as given (the URL printed)
+    port: int                           # --port (0: any free one)
+    parallel: int                       # -np: slots, each an engine over the shared model
+    max_queue: int                      # --queue: requests that may wait for a slot
+    api_key: str | None                 # --api-key / SPECRUN_API_KEY, never empty
+    alias: str | None                   # -a: the model's name in responses (None: the -m name)
+    chat_template: str | None           # --chat-template NAME|JINJA
+    chat_template_file: str | None      # --chat-template-file FILE (at most one of the two)
+    prefill_assistant: bool             # a final assistant message is continued
+    drain_timeout: float                # seconds the requests in flight get on SIGTERM / Ctrl-C
+    max_body: int                       # bytes of a request body; more is a 413
+    body_timeout: float                 # seconds a request body may take; then a 408
+    slots_endpoint: bool                # GET /slots shows the slots (--no-slots: it does not)
+    verbose: bool                       # -v: uvicorn's info log and access log too
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """How a server whose model loaded ended."""
+
+    stopped: Stopped | None             # the drain's summary (None: uvicorn stopped without a drain)
+    lost: Exception | None              # an RPC worker lost: its slot threads stay blocked in llama.cpp
+
+
+def run(options: ServeOptions, sock) -> Ended | None:
+    """Serve on sock (bound and listening) until SIGTERM / Ctrl-C. Returns None when the server
+    stopped before the model loaded; raises what the loading raised (a bad model, a
+    --chat-template that does not render)."""
+    import uvicorn
+
+    url = f"http://{options.host}:{sock.getsockname()[1]}"
+    gate = Gate()
+    server = _make_server(uvicorn.Config(gate, lifespan="off", timeout_graceful_shutdown=max(options.drain_timeout, 5.0),
+                                         log_level="info" if options.verbose else "warning",
+                                         access_log=options.verbose))
+    loader = Loader(options, url, gate, server)
+    err_console.print(f"specrun serve: loading {options.model} on {url}", markup=False, soft_wrap=True)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        loader.join()
+        if loader.state is not None:
+            loader.state.pool.close()
+    if loader.error is not None:
+        raise loader.error
+    if loader.state is None:
+        return None
+    return Ended(loader.state.stopped(server.drained) if server.drained else None, loader.state.pool.lost)
+
+
+class Loader(threading.Thread):
+    """Loads the engines and builds the app while the port answers 503 `loading`; then installs the
+    app in the gate. A failure (the model, a --chat-template that does not render) stops the server
+    and is raised by run() as one line."""
+
+    def __init__(self, options: ServeOptions, url: str, gate: Gate, server) -> None:
+        super().__init__(name="specrun-load", daemon=True)
+        self.options, self.url, self.gate, self.server = options, url, gate, server
+        self.state: ServerState | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # raised again by run() in the main thread
+            self.error = e
+            self.server.should_exit = True
+
+    def _load(self) -> None:
+        from specrun.gguf_spec.registry import KNOWN_MODELS
+        from specrun.kernels.chat_template import TemplateError
+
+        from ..runtime.chat import ChatFormat
+        from .app import ServerConfig, create_app
+        from .limits import time_limited
+        from .metrics import Metrics
+        from .slots import SlotPool
+
+        opt = self.options
+        auto = opt.params.spec.types == AUTO
+        engines = open_engines(opt.model, opt.params, opt.parallel, start_prefill=True)
+        pool = SlotPool(engines, opt.max_queue)
+        if opt.params.placement is not None:   # a worker lost: fail those requests, keep answering (kernels/rpc.py)
+            from specrun.kernels import rpc
+
+            rpc.on_worker_lost(pool.worker_lost)
+        try:
+            model = engines[0].model
+            params = engines[0].params
+            fmt, reason = None, ""
+            try:
+                fmt = time_limited(lambda: ChatFormat.load(model, opt.chat_template, opt.chat_template_file))
+            except TemplateError as e:
+                if opt.chat_template or opt.chat_template_file:
+                    flag = "--chat-template" if opt.chat_template else "--chat-template-file"
+                    raise TemplateError(f"{flag} {opt.chat_template or opt.chat_template_file}: {e}") from None
+                reason = str(e)
+            spec_types = ["none", *engines[0].spec_types]
+            if auto:
+                params = resolve_auto_spec(engines, params)
+            stem = os.path.splitext(os.path.basename(model.path))[0]
+            config = ServerConfig(alias=opt.alias or (opt.model if opt.model in KNOWN_MODELS else stem),
+                                  sampling=opt.sampling, n_predict=opt.n_predict, spec=params.spec,
+                                  spec_types=tuple(spec_types), max_queue=opt.max_queue, api_key=opt.api_key,
+                                  chat_format=fmt, no_template_reason=reason, max_body=opt.max_body,
+                                  body_timeout=opt.body_timeout, drain_timeout=opt.drain_timeout,
+                                  prefill_assistant=opt.prefill_assistant, slots_endpoint=opt.slots_endpoint)
+            state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
+            app = create_app(state)
+        except BaseException:
+            pool.close()
+            raise
+        self.state = state
+        self.server.state = state
+        self.gate.app = app
+        n = opt.parallel
+        err_console.print(f"specrun serve: {config.alias} on {self.url} ({n} slot{'s' * (n > 1)}, ctx {state.n_ctx}, "
+                          f"spec {','.join(params.spec.types) or 'none'}, requests may use: {', '.join(spec_types)})",
+                          markup=False, soft_wrap=True)
+
+
+def resolve_auto_spec(engines: list[Engine], params: EngineParams) -> EngineParams:
+    """--spec-type auto: measure on the first engine and choose its spec types (runtime.auto), then
+    give every slot that spec and the first engine's pass costs. Returns params with the spec chosen."""
+    params = replace(params, spec=resolve_auto(engines[0], params.spec))
+    for e in engines:
+        e.set_spec(params.spec)
+    for e in engines[1:]:   # the calibration's pass costs, for every slot
+        e.pass_cost = engines[0].pass_cost.copy()
+    return params
+
+
+def _make_server(config):
+    """uvicorn's Server with the drain (uvicorn is imported on first use: the CLI starts faster)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, with a drain on the first SIGTERM / Ctrl-C (ServerState.shut_down) before
+        uvicorn's own shutdown; a second signal stops the generations in flight at once. It returns
+        instead of re-raising the signal: a clean exit 0."""
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.state = None            # set once the model is loaded
+            self.drained = None          # slots.Drained, once the drain is over
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._signals = 0
+
+        async def startup(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            self._signals += 1
+            if self.state is None or self._loop is None:   # still loading: stop now
+                self.should_exit = True
+                return
+            if self._signals == 1:
+                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+            elif self._signals == 2:
+                self._loop.call_soon_threadsafe(self.state.pool.cancel_all, "shutdown")
+            else:
+                self.force_exit = True
+
+        async def _drain(self) -> None:
+            try:
+                self.drained = await self.state.shut_down()
+            finally:
+                self.should_exit = True
+
+    return Server(config)
