@@ -244,7 +244,16 @@ def _spec_types(spec_type: str | Sequence[str]) -> tuple[str, ...]:
 def _check_files(model: str | os.PathLike, draft_model: str | os.PathLike | None,
                  types: tuple[str, ...]) -> tuple[Path, Path | None]:
     """Resolve the files and refuse, before llama.cpp loads them, what it would fail on or abort
-    at: the checks of the CLI's runtime/loading.prepare(), without its notes and inference."""
+    at: the checks of the CLI's runtime/loading.prepare(), without its notes and inference. The
+    checks of the types alone come first: reading a GGUF's metadata takes seconds."""
+    for t in types:
+        own = SPEC_TYPE[t]
+        if own.md and draft_model is None:
+            raise SpecTypeError(f"spec_type '{own.flag}' needs {own.md.replace('-md ', 'draft_model=')}")
+    if draft_model is not None and not set(types) & set(MODEL_TYPES):
+        raise SpecTypeError(f"draft_model {Path(draft_model).name} is not used by spec_type "
+                            f"{','.join(types) or 'none'}; add 'draft' (a draft model), 'draft-eagle3' (an EAGLE-3 "
+                            "draft) or 'draft-mtp' (MTP heads)")
     path = resolve_model(model)
     target = load_spec(path)
     if target.has_mtp and not target.has_trunk:
@@ -253,18 +262,10 @@ def _check_files(model: str | os.PathLike, draft_model: str | os.PathLike | None
     if target.is_eagle3:
         raise ModelFileError(f"{path} is an EAGLE-3 draft, so it cannot be the main model; pass it as "
                              f"draft_model={path.name!r} with spec_type='draft-eagle3'")
-    for t in types:
-        own = SPEC_TYPE[t]
-        if own.md and draft_model is None:
-            raise SpecTypeError(f"spec_type '{own.flag}' needs {own.md.replace('-md ', 'draft_model=')}")
     if draft_model is None:
         return path, None
     dpath = resolve_model(draft_model)
-    draft, name = load_spec(dpath), dpath.name
-    if not set(types) & {*MODEL_TYPES}:
-        raise SpecTypeError(f"draft_model {name} is not used by spec_type {','.join(types) or 'none'}; add "
-                            "'draft' (a draft model), 'draft-eagle3' (an EAGLE-3 draft) or 'draft-mtp' (MTP heads)")
-    _check_draft(target, draft, types, path.name, name)
+    _check_draft(target, load_spec(dpath), types, path.name, dpath.name)
     return path, dpath
 
 
