@@ -11,6 +11,7 @@ from .runtime.options import (
     DEFAULT_CHAT_MODEL,
     chat_options,
     chat_template_choice,
+    console_options,
     model_options,
     read_system_prompt,
     sampling_options,
@@ -23,6 +24,7 @@ from .runtime.options import (
 @spec_options
 @sampling_options
 @chat_options
+@console_options
 @click.option("-q", "--quiet", is_flag=True, help="no statistics line after each answer")
 @handle_errors
 def chat(quiet, **kw):

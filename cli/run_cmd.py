@@ -32,6 +32,7 @@ from .runtime.options import (
     AUTO,
     chat_options,
     chat_template_choice,
+    console_options,
     engine_params,
     model_options,
     read_system_prompt,
@@ -63,9 +64,19 @@ _CHAT_FLAGS = {"system_prompt": "-sys", "system_prompt_file": "-sysf", "single_t
 @click.option("-cnv/-no-cnv", "--conversation/--no-conversation", "conversation", default=None,
               help="chat interactively, as `specrun chat`; implied by -sys, -sysf, -st and --chat-template "
                    "(-p/-f: the first message with -sys or -st, else the system prompt)")
+@click.option("-i", "--interactive", "interactive", is_flag=True,
+              help="llama.cpp's interactive mode: chat, as -cnv (specrun has no raw-text interactive mode)")
+@console_options
 @handle_errors
-def run(prompt, file, escape, reverse_prompt, keep, as_json, conversation, **kw):
+def run(prompt, file, escape, reverse_prompt, keep, as_json, conversation, interactive, **kw):
     """Generate text from a prompt (streamed to stdout; statistics on stderr)."""
+    if interactive:
+        # llama-cli's -i takes turns at the terminal; specrun's turns are conversation mode's
+        if conversation is False:
+            raise click.UsageError("-i and -no-cnv do not go together: specrun's interactive mode is conversation "
+                                   "mode; drop -no-cnv to chat, or -i to generate once")
+        note("-i: interactive mode is conversation mode (-cnv) here: each line is a message in the chat template")
+        conversation = True
     chat_flags = [flag for key, flag in _CHAT_FLAGS.items() if kw.get(key)]
     if keep is not None:
         note(f"--keep {keep}: no effect; specrun does not shift the context: run stops at a full context, and "

@@ -44,7 +44,7 @@ def rows_of(text: str) -> list[tuple[str, str]]:
 def test_run_help_lists_sections_in_order_prompt_first():
     assert HEADING.findall(help_of("run")) == [
         "Prompt & generation", "Sampling", "Speculative decoding", "Model & context", "Conversation",
-        "Output & logging", "llama.cpp compatibility (accepted, no effect)"]
+        "Output & logging", "llama.cpp compatibility"]
     assert rows_of(help_of("run"))[:2] == [("Prompt & generation", "-p, --prompt TEXT"),
                                            ("Prompt & generation", "-f, --file TEXT")]
 

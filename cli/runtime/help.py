@@ -25,8 +25,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Server": ("host", "port", "parallel", "max_queue", "api_key", "alias", "prefill_assistant", "slots_endpoint",
                "drain_timeout", "max_body", "body_timeout"),
     "Output & logging": ("as_json", "as_csv", "plot_path", "quiet", "verbose", "help"),
-    "llama.cpp compatibility (accepted, no effect)": ("ubatch_size", "threads_batch", "gpu_layers", "gpu_layers_draft",
-                                                      "mlock", "mmap", "load_mode", "jinja", "keep"),
+    # llama.cpp's flags that specrun accepts with a note (no effect), maps (-i: -cnv) or refuses by name
+    "llama.cpp compatibility": ("interactive", "ubatch_size", "threads_batch", "gpu_layers", "gpu_layers_draft",
+                                "cpu_moe", "n_cpu_moe", "mlock", "mmap", "load_mode", "swa_full", "numa", "no_warmup",
+                                "perf", "log_disable", "no_display_prompt", "simple_io", "color", "prompt_cache",
+                                "prompt_cache_all", "prompt_cache_ro", "jinja", "keep", "override_kv",
+                                "override_tensor", "samplers", "mirostat", "mirostat_lr", "mirostat_ent", "typical",
+                                "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                                "dry_sequence_breaker", "xtc_probability", "xtc_threshold", "top_nsigma"),
 }
 OTHER = "Other"
 

@@ -172,6 +172,10 @@ def open_engines(model: str, params: EngineParams, n: int = 1, *, start_prefill:
     if 0 < params.n_ctx < engines[0].n_ctx:
         note(f"-c {params.n_ctx}: llama.cpp rounds a context up to a multiple of 256 tokens; it holds "
              f"{engines[0].n_ctx}")
+    n_train = engines[0].model.n_ctx_train
+    if 0 < n_train < params.n_ctx:     # llama.cpp: "n_ctx_seq (...) > n_ctx_train (...) -- possible training ..."
+        note(f"-c {params.n_ctx}: more than {path.name}'s training context ({n_train} tokens); the text may degrade "
+             f"past it (llama.cpp: possible training context overflow); -c 0 takes the training context")
     return engines
 
 

@@ -3,7 +3,9 @@ the only place where their values become the kernels' parameters (engine_params,
 sampling_params).
 
 A llama.cpp flag that cannot apply here is still accepted: engine_params() says in one line on
-stderr why, and what happens instead (e.g. `-ngl 99`: every layer runs on the CPU)."""
+stderr why, and what happens instead (e.g. `-ngl 99`: every layer runs on the CPU). One that would
+change the text (`--override-kv`, `-ot`, a sampler specrun does not have) is refused by name in one
+line, exit 2 (refuse_model_overrides, refuse_samplers)."""
 
 from __future__ import annotations
 
@@ -93,6 +95,24 @@ def _seed(ctx, param, value):
     return value
 
 
+def _n_predict(ctx, param, value):
+    """llama.cpp's -n: N tokens; -1 (until end of generation) or -2 (until the context is full), the
+    same here, as specrun never shifts the context."""
+    if value is not None and value < -2:
+        raise click.BadParameter(f"{value} is not a number of tokens: give N >= 0, -1 (until end of generation or "
+                                 "a full context) or -2 (until the context is full)")
+    return value
+
+
+def _numa(ctx, param, value):
+    """llama.cpp's --numa TYPE (an empty TYPE is distribute)."""
+    if value is None or value in ("distribute", "isolate", "numactl"):
+        return value
+    if value == "":
+        return "distribute"
+    raise click.BadParameter(f"unknown value '{value}': use distribute, isolate or numactl")
+
+
 def kv_options(f):
     """-fa, -ctk, -ctv: the KV cache and attention, applied with --no-exact (kv_params)."""
     f = click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default=None,
@@ -148,11 +168,47 @@ def model_options(f=None, *, default: str = "gemma-3-270m"):
     @click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="N0,N1,...",
                   help="with --rpc: the share of the layers each worker holds, e.g. 3,1 (default: by free memory)")
     @click.option("-v", "--verbose", is_flag=True, help="log llama.cpp and specrun internals to stderr")
+    @llama_model_flags
     @functools.wraps(f)
     def wrapper(*a, **k):
         return f(*a, **k)
 
     return wrapper
+
+
+def llama_model_flags(f):
+    """llama.cpp's model and process flags that scripts pass (model_options: run, chat, serve, bench):
+    those that cannot change the text are accepted and noted (unapplied); --override-kv and -ot are
+    refused (refuse_model_overrides)."""
+    f = click.option("-ot", "--override-tensor", "override_tensor", multiple=True, metavar="PATTERN=BUFTYPE,...",
+                     help="refused: specrun chooses each weight's buffer (exact mode depends on it)")(f)
+    f = click.option("--override-kv", "override_kv", multiple=True, metavar="KEY=TYPE:VALUE,...",
+                     help="refused: it changes the model's metadata; write a copy with gguf-new-metadata")(f)
+    f = click.option("-ncmoe", "--n-cpu-moe", "n_cpu_moe", type=click.IntRange(0), default=None, metavar="N",
+                     help="accepted; every weight is on the CPU")(f)
+    f = click.option("-cmoe", "--cpu-moe", "cpu_moe", is_flag=True, help="accepted; every weight is on the CPU")(f)
+    f = click.option("--swa-full", "swa_full", is_flag=True,
+                     help="accepted; the contexts keep a full-size SWA cache already")(f)
+    f = click.option("--numa", "numa", callback=_numa, default=None, metavar="distribute|isolate|numactl",
+                     help="accepted; threads run where the OS places them")(f)
+    f = click.option("--no-warmup", "no_warmup", is_flag=True, help="accepted; run, chat and serve do no warm-up")(f)
+    f = click.option("--perf/--no-perf", "perf", default=None,
+                     help="accepted; specrun prints its own statistics on stderr")(f)
+    return click.option("--log-disable", "log_disable", is_flag=True,
+                        help="accepted; llama.cpp's log is off unless -v")(f)
+
+
+def console_options(f):
+    """llama-cli's terminal flags (run, chat): none changes the text; unapplied() notes each."""
+    f = click.option("--prompt-cache-ro", "prompt_cache_ro", is_flag=True, help="accepted; no session file")(f)
+    f = click.option("--prompt-cache-all", "prompt_cache_all", is_flag=True, help="accepted; no session file")(f)
+    f = click.option("--prompt-cache", "prompt_cache", default=None, metavar="FNAME",
+                     help="accepted; the prompt is evaluated on each run, and no session file is written")(f)
+    f = click.option("-co", "--color", "color", is_flag=False, flag_value="on", default=None, callback=_on_off_auto,
+                     metavar="[on|off|auto]", help="accepted; stdout's text is never colored (NO_COLOR=1 for stderr)")(f)
+    f = click.option("--simple-io", "simple_io", is_flag=True, help="accepted; input and output are plain lines")(f)
+    return click.option("--no-display-prompt", "no_display_prompt", is_flag=True,
+                        help="accepted; specrun never prints the prompt")(f)
 
 
 def ngram_family_options(f):
@@ -235,8 +291,8 @@ def spec_options(f):
 
 
 def sampling_options(f):
-    @click.option("-n", "--n-predict", "--predict", "n_predict", type=int, default=-1, show_default=True,
-                  help="tokens to generate (-1: until end of generation or a full context)")
+    @click.option("-n", "--n-predict", "--predict", "n_predict", type=int, callback=_n_predict, default=-1,
+                  show_default=True, help="tokens to generate (-1 or -2: until end of generation or a full context)")
     @click.option("--temp", type=float, default=0.8, show_default=True, help="temperature (<= 0: greedy)")
     @click.option("--top-k", "top_k", type=int, default=40, show_default=True)
     @click.option("--top-p", "top_p", type=click.FloatRange(0, 1), default=0.95, show_default=True)
@@ -263,11 +319,90 @@ def sampling_options(f):
                   help="a JSON schema the text must follow, e.g. '{\"type\": \"object\"}' for any JSON object")
     @click.option("-jf", "--json-schema-file", "json_schema_file", default=None, metavar="FILE",
                   help="read the JSON schema from a file")
+    @llama_sampler_flags
     @functools.wraps(f)
     def wrapper(*a, **k):
         return f(*a, **k)
 
     return wrapper
+
+
+CHAIN = "specrun's sampler chain is fixed (penalties, top-k, top-p, min-p, temperature)"
+# llama.cpp's samplers that specrun lacks, each turned on by one option (arg.cpp's spellings; llama.cpp's off
+# value): (key, spellings, type, name, off, what to use instead)
+SAMPLERS = (("mirostat", ("--mirostat",), click.IntRange(0, 2), "Mirostat", "0", "--temp with --top-p or --min-p"),
+            ("typical", ("--typical", "--typical-p"), float, "locally typical sampling", "1.0", "--top-p or --min-p"),
+            ("dry_multiplier", ("--dry-multiplier",), float, "DRY", "0",
+             "--repeat-penalty, --presence-penalty or --frequency-penalty"),
+            ("xtc_probability", ("--xtc-probability",), float, "XTC", "0", "a higher --temp"),
+            ("top_nsigma", ("--top-nsigma", "--top-n-sigma"), float, "top-n-sigma", "-1", "--min-p"))
+# their parameters, which do nothing while the sampler is off: (key, flag)
+SAMPLER_PARAMS = (("mirostat_lr", "--mirostat-lr"), ("mirostat_ent", "--mirostat-ent"), ("dry_base", "--dry-base"),
+                  ("dry_allowed_length", "--dry-allowed-length"), ("dry_penalty_last_n", "--dry-penalty-last-n"),
+                  ("dry_sequence_breaker", "--dry-sequence-breaker"), ("xtc_threshold", "--xtc-threshold"))
+
+
+def llama_sampler_flags(f):
+    """llama.cpp's samplers that specrun's chain lacks (sampling_options: run, chat, serve), with
+    arg.cpp's spellings and arity: a value that turns one on is refused (refuse_samplers); llama.cpp's
+    off value is accepted silently, and a parameter of a sampler that is off is noted (unapplied)."""
+    params = "accepted while its sampler is off (specrun has none)"
+    for opts, key, kind in ((("--xtc-threshold",), "xtc_threshold", float),
+                            (("--dry-penalty-last-n",), "dry_penalty_last_n", int),
+                            (("--dry-allowed-length",), "dry_allowed_length", int),
+                            (("--dry-base",), "dry_base", float),
+                            (("--mirostat-ent",), "mirostat_ent", float),
+                            (("--mirostat-lr",), "mirostat_lr", float)):
+        f = click.option(*opts, key, type=kind, default=None, metavar="N", help=params)(f)
+    f = click.option("--dry-sequence-breaker", "dry_sequence_breaker", multiple=True, metavar="STRING",
+                     help=params)(f)
+    for key, opts, kind, name, off, _ in reversed(SAMPLERS):
+        f = click.option(*opts, key, type=kind, default=None, metavar="N",
+                         help=f"refused unless {off} (off): specrun has no {name}")(f)
+    return click.option("--samplers", "samplers", default=None, metavar="SAMPLERS",
+                        help="refused: the chain is penalties, top-k, top-p, min-p, temperature")(f)
+
+
+def _sampler_on(key: str, kw: dict) -> bool:
+    """Whether llama.cpp would run the sampler SAMPLERS names by key, with these values (its
+    src/llama-sampler.cpp: each returns at once when off)."""
+    v = kw.get(key)
+    if v is None:
+        return False
+    if key == "typical":
+        return v < 1.0
+    if key == "dry_multiplier":
+        return v != 0.0 and kw.get("dry_penalty_last_n") != 0
+    if key == "xtc_probability":
+        threshold = kw.get("xtc_threshold")
+        return v > 0.0 and (threshold is None or threshold <= 0.5)
+    if key == "top_nsigma":
+        return v > 0.0
+    return v != 0       # mirostat 1 or 2
+
+
+def refuse_samplers(kw: dict) -> None:
+    """A llama.cpp sampler that specrun lacks, turned on, is a UsageError naming it (exit 2)."""
+    if kw.get("samplers") is not None:
+        raise click.UsageError(f"--samplers {kw['samplers']}: refused; {CHAIN}; turn one off instead: --top-k 0, "
+                               "--top-p 1, --min-p 0, --repeat-penalty 1")
+    for key, (flag, *_), _, name, off, instead in SAMPLERS:
+        if _sampler_on(key, kw):
+            raise click.UsageError(f"{flag} {kw[key]:g}: refused; {CHAIN} and has no {name}; drop the flag "
+                                   f"({flag} {off} is off) and use {instead}")
+
+
+def refuse_model_overrides(kw: dict) -> None:
+    """--override-kv and -ot change the model or where its weights are computed, so the text: a
+    UsageError naming the flag (exit 2)."""
+    if kw.get("override_kv"):
+        raise click.UsageError(f"--override-kv {kw['override_kv'][0]}: refused; it changes the model's metadata, and so "
+                               "the text, and specrun reads each GGUF as it is; write the change into a copy with "
+                               "gguf-new-metadata")
+    if kw.get("override_tensor"):
+        raise click.UsageError(f"-ot {kw['override_tensor'][0]}: refused; specrun chooses each weight's buffer (exact "
+                               "mode: none repacked), and another could change the text; every weight is on the CPU "
+                               "already")
 
 
 def template_options(f):
@@ -382,6 +517,53 @@ def unapplied(kw: dict) -> list[str]:
     if load:
         out.append(f"{', '.join(load)}: not applied; the model is memory-mapped, as by default: the kernels do not "
                    "pass llama.cpp's load mode yet")
+    out.extend(_unapplied_llama_flags(kw))
+    return out
+
+
+def _unapplied_llama_flags(kw: dict) -> list[str]:
+    """unapplied()'s lines for llama_model_flags, console_options and llama_sampler_flags."""
+    out = []
+    moe = [f for f, on in (("--cpu-moe", kw.get("cpu_moe")), (f"-ncmoe {kw.get('n_cpu_moe')}",
+                                                              kw.get("n_cpu_moe") is not None)) if on]
+    if moe:
+        out.append(f"{', '.join(moe)}: no effect; every weight is on the CPU already")
+    if kw.get("swa_full"):
+        out.append("--swa-full: no effect; specrun's contexts keep a full-size SWA cache already (llama.cpp's "
+                   "library default)")
+    if kw.get("numa") is not None:
+        out.append(f"--numa {kw['numa']}: not applied; the kernels do not call ggml's NUMA setup: threads run where "
+                   "the OS places them")
+    if kw.get("no_warmup"):
+        out.append("--no-warmup: no effect; run, chat and serve do no warm-up pass (bench keeps its untimed one)")
+    if kw.get("perf") is not None:
+        out.append(f"--{'' if kw['perf'] else 'no-'}perf: no effect; specrun prints its own statistics on stderr, "
+                   "not libllama's timings")
+    if kw.get("log_disable"):
+        out.append("--log-disable: no effect; llama.cpp's log is already off (-v turns it on); specrun's notes and "
+                   "statistics stay on stderr")
+    if kw.get("no_display_prompt"):
+        out.append("--no-display-prompt: no effect; specrun prints only the generated text, never the prompt")
+    if kw.get("simple_io"):
+        out.append("--simple-io: no effect; specrun reads plain lines when stdin is not a terminal and writes plain "
+                   "text")
+    if kw.get("color") is not None:
+        out.append(f"-co {kw['color']}: no effect; stdout carries the text uncolored; stderr is colored on a "
+                   "terminal (NO_COLOR=1 turns it off)")
+    cache = [f for f, on in ((f"--prompt-cache {kw.get('prompt_cache')}", kw.get("prompt_cache") is not None),
+                             ("--prompt-cache-all", kw.get("prompt_cache_all")),
+                             ("--prompt-cache-ro", kw.get("prompt_cache_ro"))) if on]
+    if cache:
+        out.append(f"{', '.join(cache)}: not applied; specrun evaluates the prompt on each run and keeps no session "
+                   "file")
+    params = []     # the parameters of samplers that are off (refuse_samplers refused any that is on)
+    for key, flag in SAMPLER_PARAMS:
+        v = kw.get(key)
+        for one in ((v or ()) if key == "dry_sequence_breaker" else () if v is None else (v,)):
+            params.append(f"{flag} {one:g}" if isinstance(one, float) else f"{flag} {one}")
+    if params:
+        out.append(f"{', '.join(params)}: no effect; their samplers are off, as in llama.cpp with these values, and "
+                   "specrun has none of them")
     return out
 
 
@@ -389,6 +571,7 @@ def engine_params(kw: dict, spec: SpecParams | None = None) -> EngineParams:
     """The model_options (and spec_options, unless spec is given) as EngineParams; a note on stderr
     for each flag that cannot apply. The model names are resolved to paths, and every check made,
     when the engine is opened (runtime.loading)."""
+    refuse_model_overrides(kw)
     spec = spec_params(kw) if spec is None else spec
     if "draft-simple" in spec.types and not kw["model_draft"]:
         raise click.UsageError("--spec-type draft needs -md/--model-draft DRAFT.gguf")
@@ -478,7 +661,8 @@ def grammar_of(kw: dict) -> str | None:
 
 def sampling_params(kw: dict) -> SamplingParams:
     """The sampling_options as SamplingParams; a bad penalty, logit bias or grammar is a SpecrunError
-    (one line, exit 1), before the model loads."""
+    (one line, exit 1), before the model loads; a sampler specrun lacks, turned on, a UsageError (exit 2)."""
+    refuse_samplers(kw)
     s = SamplingParams(temp=kw["temp"], top_k=kw["top_k"], top_p=kw["top_p"], min_p=kw["min_p"],
                        seed=kw["seed"], repeat_penalty=kw.get("repeat_penalty", 1.0),
                        repeat_last_n=kw.get("repeat_last_n", 64), presence_penalty=kw.get("presence_penalty", 0.0),
