@@ -40,6 +40,7 @@ from specrun.gguf_spec.spec import ModelSpec, load_spec
 
 from .constrain import check_controls
 from .engine import Engine, Generation
+from .llama import Model
 from .params import MODEL_TYPES, SPEC_TYPE, EngineParams, SpecParams, parse_spec_types
 from .stats import GenStats
 from .types import LLAMA_DEFAULT_SEED, SamplingParams
@@ -85,7 +86,7 @@ class Stream:
     """The text of one generation, piece by piece. Iterate it for str pieces (each complete UTF-8);
     `result` is set once the iteration ends or close() stops it (stop "interrupted")."""
 
-    def __init__(self, gen: Generation, model: Any) -> None:
+    def __init__(self, gen: Generation, model: Model) -> None:
         self.result: Result | None = None
         self._gen = gen
         self._model = model
@@ -103,6 +104,7 @@ class Stream:
     def close(self) -> None:
         """Stop generating (idempotent); `result` then holds what was written."""
         self._pieces.close()
+        self._gen.close()                # a stream never started has not closed it
         self._finish()
 
     def __enter__(self) -> Stream:

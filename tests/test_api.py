@@ -61,6 +61,11 @@ def test_closing_a_stream_early_keeps_what_was_written(spec):
     assert s.result.stop == "interrupted"
     assert s.result.text.startswith(first) and whole.text.startswith(s.result.text)
     assert whole.tokens[:len(s.result.tokens)] == s.result.tokens
+    unread = spec.stream(PROMPT, n_predict=N, temp=0)
+    unread.close()
+    assert (unread.result.text, unread.result.tokens, unread.result.stop) == ("", (), "interrupted")
+    assert spec.generate(PROMPT, n_predict=N, temp=0).tokens == whole.tokens
+
 
 
 def test_seeded_sampling_with_spec_equals_without(spec, plain):
