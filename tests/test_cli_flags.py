@@ -336,3 +336,140 @@ def test_md_with_a_broken_eagle3_draft_is_refused_in_one_line(tmp_path):
         r = CliRunner().invoke(cli, ["-m", "smollm2-135m-instruct", "-md", str(path), "-p", "hi", "-n", "1", *extra])
         assert r.exit_code == 1 and "Traceback" not in r.output, r.output
         assert r.output.strip().splitlines() == [f"Error: {error}"]
+
+
+# ---- llama-cli script flags (issue 48) ----------------------------------------------------------
+
+NOTES = (": no effect;", ": not applied;")
+
+
+def notes_of(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if any(n in ln for n in NOTES)]
+
+
+def test_llamacpp_script_flags_are_no_ops_with_one_note_each_and_the_same_text(smollm_path):
+    """Flags that cannot change the text: exit 0, the text of the run without them, one line each
+    (grouped where one reason covers several); llama.cpp's off values of its other samplers: silent."""
+    base = ["-m", str(smollm_path), "-p", "Once upon a time", "-n", "4", "--temp", "0", "-t", "1"]
+    plain = invoke(*base)
+    assert plain.exit_code == 0, plain.output
+    r = invoke(*base, "--no-display-prompt", "--log-disable", "--simple-io", "--no-warmup", "-co", "--perf",
+               "--numa", "distribute", "--swa-full", "--cpu-moe", "-ncmoe", "3", "--prompt-cache", "p.bin",
+               "--prompt-cache-all", "--prompt-cache-ro",
+               "--mirostat", "0", "--typical", "1.0", "--dry-multiplier", "0", "--xtc-probability", "0",
+               "--top-nsigma", "-1", "--mirostat-lr", "0.2", "--mirostat-ent", "4", "--dry-base", "2",
+               "--dry-allowed-length", "3", "--dry-penalty-last-n", "32", "--dry-sequence-breaker", "x",
+               "--xtc-threshold", "0.2")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == plain.stdout and r.stdout.strip()
+    assert notes_of(r.stderr) == [
+        "--cpu-moe, -ncmoe 3: no effect; every weight is on the CPU already",
+        "--swa-full: no effect; specrun's contexts keep a full-size SWA cache already (llama.cpp's library default)",
+        "--numa distribute: not applied; the kernels do not call ggml's NUMA setup: threads run where the OS "
+        "places them",
+        "--no-warmup: no effect; run, chat and serve do no warm-up pass (bench keeps its untimed one)",
+        "--perf: no effect; specrun prints its own statistics on stderr, not libllama's timings",
+        "--log-disable: no effect; llama.cpp's log is already off (-v turns it on); specrun's notes and statistics "
+        "stay on stderr",
+        "--no-display-prompt: no effect; specrun prints only the generated text, never the prompt",
+        "--simple-io: no effect; specrun reads plain lines when stdin is not a terminal and writes plain text",
+        "-co on: no effect; stdout carries the text uncolored; stderr is colored on a terminal (NO_COLOR=1 turns "
+        "it off)",
+        "--prompt-cache p.bin, --prompt-cache-all, --prompt-cache-ro: not applied; specrun evaluates the prompt on "
+        "each run and keeps no session file",
+        "--mirostat-lr 0.2, --mirostat-ent 4, --dry-base 2, --dry-allowed-length 3, --dry-penalty-last-n 32, "
+        "--dry-sequence-breaker x, --xtc-threshold 0.2: no effect; their samplers are off, as in llama.cpp with "
+        "these values, and specrun has none of them",
+    ]
+    assert notes_of(plain.stderr) == []
+
+
+@pytest.mark.parametrize("args, line", [
+    (["-co", "off"], "-co off: no effect; stdout carries the text uncolored"),      # llama.cpp's [on|off|auto]
+    (["--color", "auto"], "-co auto: no effect;"),
+    (["--no-perf"], "--no-perf: no effect; specrun prints its own statistics"),
+    (["--numa", "isolate"], "--numa isolate: not applied;"),
+    (["--xtc-probability", "0.5", "--xtc-threshold", "0.6"], "--xtc-threshold 0.6: no effect; their samplers are "
+                                                             "off"),                # threshold > 0.5: XTC is off
+])
+def test_other_spellings_of_the_no_op_flags(tiny, args, line):
+    r = gen(tiny["full"], "-n", "1", *args)
+    assert r.exit_code == 0, r.output
+    notes = notes_of(r.stderr)
+    assert len(notes) == 1 and notes[0].startswith(line), r.stderr
+
+
+CHAIN = "specrun's sampler chain is fixed (penalties, top-k, top-p, min-p, temperature)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--override-kv", "tokenizer.ggml.add_bos_token=bool:false"],
+     "--override-kv tokenizer.ggml.add_bos_token=bool:false: refused; it changes the model's metadata, and so the "
+     "text, and specrun reads each GGUF as it is; write the change into a copy with gguf-new-metadata"),
+    (["-ot", "exps=CPU"], "-ot exps=CPU: refused; specrun chooses each weight's buffer (exact mode: none repacked), "
+                          "and another could change the text; every weight is on the CPU already"),
+    (["--samplers", "top_k;temperature"], f"--samplers top_k;temperature: refused; {CHAIN}; turn one off instead: "
+                                          "--top-k 0, --top-p 1, --min-p 0, --repeat-penalty 1"),
+    (["--mirostat", "2"], f"--mirostat 2: refused; {CHAIN} and has no Mirostat; drop the flag (--mirostat 0 is "
+                          "off) and use --temp with --top-p or --min-p"),
+    (["--typical-p", "0.9"], f"--typical 0.9: refused; {CHAIN} and has no locally typical sampling; drop the flag "
+                             "(--typical 1.0 is off) and use --top-p or --min-p"),
+    (["--dry-multiplier", "0.8"], f"--dry-multiplier 0.8: refused; {CHAIN} and has no DRY; drop the flag "
+                                  "(--dry-multiplier 0 is off) and use --repeat-penalty, --presence-penalty or "
+                                  "--frequency-penalty"),
+    (["--xtc-probability", "0.5"], f"--xtc-probability 0.5: refused; {CHAIN} and has no XTC; drop the flag "
+                                   "(--xtc-probability 0 is off) and use a higher --temp"),
+    (["--top-n-sigma", "1.5"], f"--top-nsigma 1.5: refused; {CHAIN} and has no top-n-sigma; drop the flag "
+                               "(--top-nsigma -1 is off) and use --min-p"),
+    (["-i", "-no-cnv"], "-i and -no-cnv do not go together: specrun's interactive mode is conversation mode; drop "
+                        "-no-cnv to chat, or -i to generate once"),
+    (["-n", "-5"], "Invalid value for '-n' / '--n-predict' / '--predict': -5 is not a number of tokens: give N >= 0, "
+                   "-1 (until end of generation or a full context) or -2 (until the context is full)"),
+    (["-co", "maybe"], "Invalid value for '-co' / '--color': unknown value 'maybe': use on, off or auto"),
+    (["--mirostat", "3"], "Invalid value for '--mirostat': 3 is not in the range 0<=x<=2."),
+])
+def test_flags_that_could_change_the_text_are_refused_by_name_in_one_line(tiny, args, message):
+    r = gen(tiny["full"], *args)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.splitlines()[-1] == f"Error: {message}"
+    assert "Did you mean" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("command, args, flag", [
+    (["chat"], ["--mirostat", "1"], "--mirostat 1: refused;"),
+    (["serve", "--port", "0"], ["--dry-multiplier", "1"], "--dry-multiplier 1: refused;"),
+    (["serve", "--port", "0"], ["--override-kv", "a=int:1"], "--override-kv a=int:1: refused;"),
+    (["bench", "-p", "x"], ["-ot", "x=CPU"], "-ot x=CPU: refused;"),
+    (["chat"], ["-n", "-3"], "-3 is not a number of tokens"),
+])
+def test_refusals_reach_chat_serve_and_bench(tiny, command, args, flag):
+    r = invoke(*command, "-m", tiny["full"], *args, input="hi\n")
+    assert r.exit_code == 2, r.output
+    assert flag in r.stderr.splitlines()[-1]
+
+
+def test_n_minus_two_runs_to_a_full_context_as_minus_one(tiny):
+    a = json.loads(gen(tiny["full"], "-c", "64", "-n", "-2", "--json").stdout)
+    b = json.loads(gen(tiny["full"], "-c", "64", "-n", "-1", "--json").stdout)
+    assert a["stop"] == "ctx" and a["tokens"] == b["tokens"]
+
+
+def test_a_context_above_the_training_context_warns_once(tiny):
+    """As llama.cpp's "n_ctx_seq (...) > n_ctx_train (...) -- possible training context overflow"."""
+    r = gen(tiny["full"], "-n", "1", "-c", "8448")
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.stderr.splitlines() if "training context" in ln]
+    assert lines == ["-c 8448: more than full.gguf's training context (8192 tokens); the text may degrade past it "
+                     "(llama.cpp: possible training context overflow); -c 0 takes the training context"]
+    for ok in ("8192", "0"):
+        assert "training context" not in gen(tiny["full"], "-n", "1", "-c", ok).stderr
+
+
+def test_interactive_is_conversation_mode(smollm_path):
+    args = ["-m", str(smollm_path), "--temp", "0", "-n", "4", "-t", "1"]
+    cnv = invoke(*args, "-cnv", input="Hi\n")
+    r = invoke(*args, "-i", input="Hi\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == cnv.stdout and r.stdout.startswith("Hello")
+    assert "-i: interactive mode is conversation mode (-cnv) here: each line is a message in the chat template" \
+        in r.stderr.splitlines()
