@@ -189,6 +189,9 @@ def test_client_leaving_during_the_prompt_stops_it_at_a_chunk_boundary(faults):
 # ---- SIGTERM -------------------------------------------------------------------------------------
 
 
+GEN_TIMEOUT = 900.0   # seconds: a bound on a whole generation, however loaded the machine is
+
+
 class Requests:
     """Requests in threads; each answer is kept with its place in the order of answers."""
 
@@ -201,7 +204,7 @@ class Requests:
 
     def post(self, name: str, path: str, body: dict) -> None:
         def go() -> None:
-            with httpx.Client(base_url=self.srv.url, timeout=4 * T) as c, c.stream("POST", path, json=body) as r:
+            with httpx.Client(base_url=self.srv.url, timeout=GEN_TIMEOUT) as c, c.stream("POST", path, json=body) as r:
                 raw = r.read().decode()
             with self._lock:
                 self.out[name] = (r.status_code, dict(r.headers), raw)
@@ -212,7 +215,7 @@ class Requests:
 
     def join(self) -> None:
         for t in self.threads:
-            t.join(4 * T)
+            t.join(GEN_TIMEOUT)
             assert not t.is_alive()
 
 
@@ -224,7 +227,9 @@ def test_sigterm_drains_in_flight_and_refuses_the_rest(tmp_path):
     """Two requests generating, two queued: SIGTERM. The queued get 503 at once (before the others
     finish), a new request gets 503, the two in flight finish whole (the stream and the JSON answer
     have the same text), and the process exits 0 with its count of each."""
-    srv = ServerProcess(tmp_path, "-m", MODEL, "-c", "512", "-np", "2", "-t", "1", "--queue", "2", "-n", "400")
+    # a drain long enough for 400 tokens however loaded the machine is: the two in flight finish whole
+    srv = ServerProcess(tmp_path, "-m", MODEL, "-c", "512", "-np", "2", "-t", "1", "--queue", "2", "-n", "400",
+                        "--drain-timeout", "900")
     try:
         req = Requests(srv)
         # 400 tokens: the two in flight outlast the test's setup around them on a loaded 2-core machine
