@@ -37,6 +37,7 @@ from specrun.kernels.chat_template import TemplateError
 from specrun.kernels.constrain import check_controls
 from specrun.kernels.drafters import draft_n_max
 from specrun.kernels.engine import Engine
+from specrun.kernels.llama import default_threads
 from specrun.kernels.params import MODEL_TYPES, NGRAM_TYPES, SpecParams, parse_spec_types
 from specrun.kernels.stats import GenStats
 from specrun.kernels.types import SamplingParams
@@ -432,7 +433,7 @@ def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_pred
     check_controls(sampling, {"temp": "--temp"})
     with open_engine(kw["model"], replace(params, spec=spec)) as engine:
         prompts = _prompts(engine, chosen)
-        meta = {"model": engine.model.path, "threads": engine.ctx.params.n_threads or os.cpu_count(),
+        meta = {"model": engine.model.path, "threads": engine.ctx.params.n_threads or default_threads(),
                 "exact": engine.params.exact, "n_predict": n_predict, "reps": reps, "temp": temp, "seed": seed,
                 "verify_reps": VERIFY_REPS, "load_avg": [round(x, 2) for x in os.getloadavg()]}
         total = VERIFY_REPS + 1 + reps * len(prompts) * len(settings)

@@ -106,8 +106,10 @@ def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, dr
     chat_template, chat_template_file = chat_template_choice(kw)
     params = engine_params(kw)
     sampling = sampling_params(kw)   # a bad penalty, bias or grammar: one line before the port is bound
-    if not kw["threads"]:   # the cores, shared between the slots
-        params = replace(params, n_threads=max(1, (os.cpu_count() or 1) // parallel))
+    if not kw["threads"]:   # the default threads (all cores, or LLAMA_ARG_THREADS), shared between the slots
+        from specrun.kernels.llama import default_threads
+
+        params = replace(params, n_threads=max(1, default_threads() // parallel))
     options = ServeOptions(model=kw["model"], params=params, sampling=sampling, n_predict=kw["n_predict"],
                            host=host, port=port, parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias,
                            chat_template=chat_template, chat_template_file=chat_template_file,
