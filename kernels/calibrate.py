@@ -36,11 +36,15 @@ Acceptance comes from greedy probes: at temperature > 0 real acceptance is usual
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -236,7 +240,7 @@ def choose(costs: Costs, candidates: Sequence[SpecParams], margin: float = MARGI
     if not table:
         return Choice(none, 1.0, "none: no speculative setting to try", (), costs)
     best = table[0]
-    why = _why(best, costs)
+    why = explain(best, costs)
     if best.speedup > 1.0 + margin:
         reason = (f"{setting_name(best.spec)}: predicted ×{best.speedup:.2f} over none ({why}; "
                   f"plain step {t1 * 1e3:.2f} ms)")
@@ -246,7 +250,8 @@ def choose(costs: Costs, candidates: Sequence[SpecParams], margin: float = MARGI
     return Choice(none, 1.0, reason, tuple(table), costs)
 
 
-def _why(p: Prediction, costs: Costs) -> str:
+def explain(p: Prediction, costs: Costs) -> str:
+    """What a prediction rests on, in words: acceptance, tokens per pass, the verify and draft costs."""
     dc = _drafter_cost(costs, p.spec)
     t1 = costs.t1_s
     k = draft_n_max(p.spec.types[0], p.spec)     # an n-gram's longest draft is its own (size-m...)
@@ -419,3 +424,148 @@ def n_steps(candidates: Sequence[SpecParams], reps: int = 3, verify_reps: int = 
     if not groups:
         return 0
     return verify_reps + 1 + reps * (1 + sum(len(_probe_specs(g)) for g in groups))
+
+
+# ---- the cache of what the machine costs ---------------------------------------------------------
+#
+# A second calibration of the same model, machine and settings reuses the first one's timings
+# (the verify-cost curve, T1, each drafter's c0 and c1) and times nothing: it runs one greedy
+# probe per drafter on its own prompt, for the acceptance (a_i, f, L), which depends on the text.
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class MachineCosts:
+    """The part of Costs that depends on the machine and model, not on the prompt."""
+
+    verify: VerifyCost
+    t1_s: float
+    drafters: tuple[tuple[float, float], ...]   # (c0_s, c1_s) per probe setting, in _groups order
+
+    @classmethod
+    def of(cls, costs: Costs) -> MachineCosts:
+        return cls(costs.verify, costs.t1_s, tuple((d.c0_s, d.c1_s) for d in costs.drafters))
+
+    def to_json(self) -> dict:
+        v = self.verify
+        return {"verify": {"rows": v.rows, "s": v.s, "s_min": v.s_min, "s_max": v.s_max, "depth": v.depth,
+                           "s_median": v.s_median},
+                "t1_s": self.t1_s, "drafters": [list(d) for d in self.drafters]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> MachineCosts:
+        v = d["verify"]
+        verify = VerifyCost(tuple(int(r) for r in v["rows"]), *(tuple(float(x) for x in v[k])
+                                                                 for k in ("s", "s_min", "s_max")),
+                            int(v["depth"]), tuple(float(x) for x in v["s_median"]))
+        return cls(verify, float(d["t1_s"]), tuple((float(c0), float(c1)) for c0, c1 in d["drafters"]))
+
+
+def _file_stamp(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return f"{path}:missing"
+    return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def engine_key(engine) -> dict[str, str]:
+    """What an engine's timings depend on: the model files (path, size, mtime), the machine (CPU,
+    cores, llama.cpp build: cpu_probe.cache_key), the threads and the context's settings."""
+    from .cpu_probe import cache_key, read_cpuinfo
+    from .llama import default_threads
+
+    p = engine.params
+    return {**cache_key(read_cpuinfo()), "cores": str(os.cpu_count()),
+            "model": _file_stamp(engine.model.path), "draft_model": _file_stamp(p.draft_model),
+            "threads": str(engine.ctx.params.n_threads or default_threads()), "exact": str(p.exact),
+            "n_ctx": str(engine.n_ctx), "n_batch": str(engine.ctx.n_batch), "kv": repr(p.kv),
+            "placement": repr(p.placement)}
+
+
+def measure_acceptance(engine, prompt_tokens: Sequence[int], drafter_specs: Sequence[SpecParams], n_probe: int = 32,
+                       on_step: Progress | None = None) -> list[ProbeRun]:
+    """One greedy probe per drafter at its own n_max (greedy acceptance does not vary between
+    runs); its timings are one run's, and the prediction does not read them."""
+    prompt = np.asarray(prompt_tokens, dtype=np.int32)
+    out = []
+    for spec in drafter_specs:
+        st, d = _probe_once(engine, prompt, n_probe, spec)
+        if st.n_target_passes == 0:
+            raise CalibrationError("the probe generation stopped at its first token (end of generation); "
+                                   "calibrate with a longer prompt")
+        out.append(ProbeRun(
+            n_max=draft_n_max(spec.types[0], spec), n_passes=st.n_target_passes, n_gen=st.n_gen,
+            n_drafts=d.n_gen_drafts, n_drafted=d.n_gen_tokens, n_accepted=d.n_acc_tokens,
+            acc_per_pos=tuple(d.acc_rate_per_pos), t_pass_s=st.t_gen_s / st.n_target_passes,
+            t_tok_s=d.t_draft_s / d.n_gen_tokens if d.n_gen_tokens and spec.types[0] in MODEL_TYPES else 0.0))
+        if on_step:
+            on_step(f"acceptance of {setting_name(spec)}")
+    engine.reset()
+    return out
+
+
+class CachedMeasure:
+    """A measure() for calibrate() that keeps the machine's costs in `directory`, one JSON file per
+    key (the engine's, the probe settings and measure's options). On a hit it times nothing and
+    only probes the acceptance (measure_acceptance); refresh=True measures again and overwrites.
+    After a call, `hit` says which it was and `path` names the file."""
+
+    def __init__(self, directory: Path, key: Mapping[str, str], *, refresh: bool = False,
+                 measure: Callable[..., Costs] = measure,
+                 acceptance: Callable[..., list[ProbeRun]] = measure_acceptance) -> None:
+        self.directory, self.key, self.refresh = Path(directory), dict(key), refresh
+        self._measure, self._acceptance = measure, acceptance
+        self.hit = False
+        self.path: Path | None = None
+
+    def steps(self, candidates: Sequence[SpecParams], reps: int = 3, verify_reps: int = 5) -> int:
+        """How many times a call will call on_step: all of measure()'s, or one per drafter on a hit."""
+        groups = _groups(candidates)
+        return len(groups) if self._load(candidates, reps, verify_reps) is not None else n_steps(candidates, reps,
+                                                                                                  verify_reps)
+
+    def _entry(self, candidates, reps, verify_reps, n_probe) -> dict:
+        return {"v": CACHE_VERSION, "key": self.key, "probes": [repr(g) for g in _groups(candidates)],
+                "reps": reps, "verify_reps": verify_reps, "n_probe": n_probe}
+
+    def _file(self, entry: dict) -> Path:
+        return self.directory / (hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+
+    def _load(self, candidates, reps=3, verify_reps=5, n_probe=32) -> MachineCosts | None:
+        if self.refresh:
+            return None
+        entry = self._entry(candidates, reps, verify_reps, n_probe)
+        try:
+            data = json.loads(self._file(entry).read_text())
+            if data["entry"] != json.loads(json.dumps(entry)):
+                return None
+            costs = MachineCosts.from_json(data["costs"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return costs if len(costs.drafters) == len(_groups(candidates)) else None
+
+    def __call__(self, engine, prompt_tokens: Sequence[int], candidates: Sequence[SpecParams], *, n_probe: int = 32,
+                 reps: int = 3, verify_reps: int = 5, on_step: Progress | None = None) -> Costs:
+        entry = self._entry(candidates, reps, verify_reps, n_probe)
+        self.path = self._file(entry)
+        groups = _groups(candidates)
+        known = self._load(candidates, reps, verify_reps, n_probe)
+        self.hit = known is not None
+        if known is not None:
+            probes = self._acceptance(engine, prompt_tokens, groups, n_probe, on_step)
+            return Costs(known.verify, known.t1_s, tuple(
+                DrafterCost(g, (p,), c0, c1) for g, p, (c0, c1) in zip(groups, probes, known.drafters, strict=True)))
+        costs = self._measure(engine, prompt_tokens, candidates, n_probe=n_probe, reps=reps, verify_reps=verify_reps,
+                              on_step=on_step)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"entry": entry, "costs": MachineCosts.of(costs).to_json()}, indent=1))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.info("calibration not cached in %s: %s", self.directory, e)
+        return costs

@@ -19,6 +19,7 @@ from specrun.cli.main import cli
 from specrun.cli.runtime.auto import resolve_auto
 from specrun.cli.runtime.loading import available_types
 from specrun.kernels.calibrate import (
+    CachedMeasure,
     Costs,
     DrafterCost,
     ProbeRun,
@@ -396,10 +397,11 @@ def test_auto_keeps_adaptive_ngrams_when_no_setting_is_predicted_faster(tiny_mtp
                             measure=injected_timings(2.0, {1: 2, 2: 4, 4: 8, 8: 16, 16: 32, 17: 34}, 2.0))
     assert (spec.types, spec.ngram_size_n, spec.ngram_size_m, spec.adaptive) == (("ngram-simple",), 2, 16, True)
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.match(r"spec auto: ngram-simple size-n 2 size-m 16 longest match, adaptive: drafts only while they are predicted "
-                    r"to pay on the text at hand; calibration: none: no speculative setting is predicted faster "
-                    r"than ×1\.10; the best, (draft-mtp n-max 1, is ×0\.67 \(acceptance 1\.00|\S+ .*is ×1\.00 \()",
+    assert re.match(r"spec auto: ngram-simple size-n 2 size-m 16 longest match, adaptive \(drafts only where a draft "
+                    r"is predicted to pay on the text at hand\): no setting was predicted more than 10% faster than "
+                    r"none on this prompt; the best, (draft-mtp n-max 1, ×0\.67 \(acceptance 1\.00|\S+ .*×1\.00 \()",
                     line), line
+    assert "calibration: none" not in line
 
 
 @pytest.mark.slow
@@ -495,6 +497,98 @@ def test_auto_seeds_the_adaptive_pass_costs_from_its_calibration(smollm_path, ca
         engine._measure_pass_cost = no_probe
         got = [t for c in engine.generate(prompt, 24, SamplingParams(temp=0.0), spec=spec) for t in c]
         assert got == plain
+
+
+# ---- auto's cache of the machine's costs ------------------------------------------------------------
+
+
+def _fake_costs(candidates, t1=0.01):
+    v = VerifyCost((1, 2), (t1, 2 * t1), (t1, 2 * t1), (t1, 2 * t1))
+    groups = {replace(c, n_max=0): c for c in candidates if c.types}.values()
+    return Costs(v, t1, tuple(DrafterCost(c, (ProbeRun(c.n_max, 10, 20, 10, 20, 10, (0.5, 0.5), 0.02, 0.0),), 0.001, 0.002)
+                              for c in groups))
+
+
+def _once():
+    """A measure() that may run once; a second call fails the test."""
+    calls = []
+
+    def measure_once(engine, prompt, candidates, **_):
+        assert not calls, "measured again"
+        calls.append(1)
+        return _fake_costs(candidates)
+
+    return measure_once, calls
+
+
+def _acceptance(engine, prompt, groups, n_probe, on_step):
+    return [ProbeRun(g.n_max, 16, 32, 8, 16, 12, (0.9, 0.6), 0.0, 0.0) for g in groups]
+
+
+CANDS = [SpecParams(types=("ngram-simple",)), SpecParams(types=("draft-mtp",), n_max=1),
+         SpecParams(types=("draft-mtp",), n_max=4)]
+KEY = {"model": "/m.gguf:100:1", "cpu": "Xeon", "cores": "2", "threads": "2"}
+
+
+def test_auto_cache_measures_once_per_key(tmp_path):
+    """The first call measures and writes one JSON file; the second times nothing: the machine's
+    costs come back from the file and the acceptance from its own probes (the prompt's). A changed
+    key, other probe settings, or refresh measure again."""
+    m, calls = _once()
+    first = CachedMeasure(tmp_path, KEY, measure=m, acceptance=_acceptance)
+    costs = first(None, [1, 2, 3], CANDS)
+    assert not first.hit and calls == [1] and [p.name for p in tmp_path.iterdir()] == [first.path.name]
+    second = CachedMeasure(tmp_path, KEY, measure=m, acceptance=_acceptance)
+    assert second.steps(CANDS) == 2       # one acceptance probe per drafter
+    again = second(None, [4, 5, 6], CANDS)
+    assert second.hit and second.path == first.path
+    assert (again.verify, again.t1_s) == (costs.verify, costs.t1_s)
+    assert [(d.spec, d.c0_s, d.c1_s) for d in again.drafters] == [(d.spec, d.c0_s, d.c1_s) for d in costs.drafters]
+    assert [d.long.acc_per_pos for d in again.drafters] == [(0.9, 0.6)] * 2     # this prompt's, not the cached run's
+    for other in (CachedMeasure(tmp_path, {**KEY, "threads": "1"}, measure=m, acceptance=_acceptance),
+                  CachedMeasure(tmp_path, {**KEY, "model": "/m.gguf:100:2"}, measure=m, acceptance=_acceptance),
+                  CachedMeasure(tmp_path, KEY, refresh=True, measure=m, acceptance=_acceptance)):
+        calls.clear()
+        other(None, [1, 2, 3], CANDS)
+        assert not other.hit and calls == [1]
+    calls.clear()
+    more = CachedMeasure(tmp_path, KEY, measure=m, acceptance=_acceptance)
+    more(None, [1, 2, 3], [*CANDS, SpecParams(types=("draft-mtp",), n_max=8)])    # another probe of draft-mtp
+    assert not more.hit and calls == [1]
+    tmp_path.joinpath(first.path.name).write_text("{not json")                  # a broken file: measured again
+    calls.clear()
+    broken = CachedMeasure(tmp_path, KEY, measure=m, acceptance=_acceptance)
+    broken(None, [1, 2, 3], CANDS)
+    assert not broken.hit and calls == [1] and json.loads(first.path.read_text())["entry"]["key"] == KEY
+
+
+def test_auto_refresh_option_sets_the_refresh(monkeypatch):
+    from specrun.cli.runtime import auto
+
+    monkeypatch.setattr(auto, "REFRESH", False)
+    cmd = cli.commands["run"]
+    cmd.make_context("run", ["-m", "x.gguf", "-p", "hi", "--spec-auto-refresh"])
+    assert auto.REFRESH is True
+    cmd.make_context("run", ["-m", "x.gguf", "-p", "hi"])
+    assert auto.REFRESH is False
+
+
+def test_auto_uses_its_cache_on_the_next_run(smollm_path, tmp_path, capsys):
+    """resolve_auto on a second run skips the timings and says so, with how to refresh; refresh
+    measures again. The choice reads this prompt's acceptance either way."""
+    m, calls = _once()
+    with engine_for(smollm_path, ("ngram-simple",)) as engine:
+        prompt = engine.tokenize(FREE)
+        first = resolve_auto(engine, SpecParams(), prompt, measure=m, cache=tmp_path)
+        said = capsys.readouterr().err.strip().splitlines()[-1]
+        assert calls == [1] and "cache" not in said
+        second = resolve_auto(engine, SpecParams(), prompt, measure=m, cache=tmp_path)
+        said = capsys.readouterr().err.strip().splitlines()[-1]
+        assert second.types == first.types
+        assert said.endswith("; --spec-auto-refresh measures again]") and "machine costs from the cache (" in said
+        calls.clear()
+        resolve_auto(engine, SpecParams(), prompt, measure=m, cache=tmp_path, refresh=True)
+        assert calls == [1] and "cache" not in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.slow

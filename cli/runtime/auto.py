@@ -16,10 +16,22 @@ ngram-mod, ngram-cache), probed on the same prompt.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from specrun.kernels.calibrate import Choice, calibrate, measure, n_steps, setting_name
+from specrun.gguf_spec.registry import cache_dir
+from specrun.kernels.calibrate import (
+    MARGIN,
+    CachedMeasure,
+    Choice,
+    calibrate,
+    engine_key,
+    explain,
+    measure,
+    n_steps,
+    setting_name,
+)
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import MODEL_TYPES, NGRAM_TYPES, SpecParams
 
@@ -54,9 +66,28 @@ def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     return out + [replace(base, types=(t,), n_max=k) for t in models for k in AUTO_N_MAX if k <= engine.n_max_cap]
 
 
+# --spec-auto-refresh: set by the option's callback (cli.runtime.options) for this command
+REFRESH = False
+_LIVE = measure   # kernels.calibrate's own, the one that is cached by default
+REFRESH_HINT = "--spec-auto-refresh measures again"
+
+
+def set_refresh(on: bool) -> None:
+    global REFRESH
+    REFRESH = bool(on)
+
+
+def auto_cache_dir() -> Path:
+    """Where the calibrations' machine costs are kept: the user cache (SPECRUN_CACHE_DIR), auto/."""
+    return cache_dir() / "auto"
+
+
 def calibrate_with_progress(engine: Engine, prompt_tokens, candidates: list[SpecParams], **opts) -> Choice:
     """calibrate() with a transient progress bar on stderr."""
-    total = n_steps(candidates, opts.get("reps", 3), opts.get("verify_reps", 5))
+    m = opts.get("measure")
+    reps, verify_reps = opts.get("reps", 3), opts.get("verify_reps", 5)
+    total = m.steps(candidates, reps, verify_reps) if isinstance(m, CachedMeasure) else n_steps(candidates, reps,
+                                                                                                  verify_reps)
     with Progress(TextColumn("calibrating spec auto: {task.description}"), BarColumn(), MofNCompleteColumn(),
                   console=err_console, transient=True) as progress:
         task = progress.add_task("", total=total)
@@ -64,16 +95,25 @@ def calibrate_with_progress(engine: Engine, prompt_tokens, candidates: list[Spec
                          on_step=lambda what: progress.update(task, advance=1, description=what), **opts)
 
 
-def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measure=measure) -> SpecParams:
+def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measure=measure,
+                 refresh: bool | None = None, cache: Path | None = None) -> SpecParams:
     """The SpecParams that `--spec-type auto` stands for on this engine and prompt (None: a
     built-in free-text prompt, for chat and serve). Prints the choice and its reason on stderr.
     base: the command's --spec-* options (ngram sizes, p-min, verify... are kept; --spec-draft-adaptive
     applies to the chosen setting, the calibration itself runs without it). measure: kernels.calibrate's,
-    or a test's with injected timings."""
+    or a test's with injected timings. cache: the folder of the machine's costs (default: auto_cache_dir()
+    for kernels.calibrate's measure; a test's measure is cached only when cache is given); refresh
+    (default: --spec-auto-refresh) measures again and overwrites."""
     builtin = prompt_tokens is None or len(prompt_tokens) == 0
     if builtin:
         prompt_tokens = engine.tokenize(PROMPTS["free"])
     cands = auto_candidates(engine, replace(base, adaptive=False))
+    if cache is None and measure is _LIVE:
+        cache = auto_cache_dir()
+    cached = None
+    if cache is not None:
+        measure = cached = CachedMeasure(cache, engine_key(engine), refresh=REFRESH if refresh is None else refresh,
+                                         measure=measure)
     choice = calibrate_with_progress(engine, prompt_tokens, cands, measure=measure)
     spec, reason = choice.spec, choice.reason
     verify = choice.costs.verify if choice.costs is not None else None
@@ -92,12 +132,28 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
             (c for c in cands if c.types == ("ngram-simple",) and (c.ngram_size_n, c.ngram_size_m) == AUTO_NGRAM_SIZES[0]),
             next((c for c in cands if _ngram(c)), None))
         if ngram is not None:
+            reason = _adaptive_reason(replace(ngram, adaptive=True), choice, builtin)
             spec = replace(ngram, adaptive=True)
-            reason = (f"{setting_name(spec)}, adaptive: drafts only while they are predicted to pay on "
-                      f"the text at hand; calibration: {reason}")
+    if cached is not None and cached.hit:
+        reason += f" [machine costs from the cache ({cached.path}); {REFRESH_HINT}]"
     err_console.print(f"spec auto: {reason}", markup=False, soft_wrap=True)
     return replace(spec, adaptive=spec.adaptive or (base.adaptive and bool(spec.types)))
 
+
+
+def _adaptive_reason(spec: SpecParams, choice: Choice, builtin: bool) -> str:
+    """Why an n-gram setting runs adaptive: what was predicted, in plain words."""
+    head = f"{setting_name(spec)}, adaptive (drafts only where a draft is predicted to pay on the text at hand)"
+    best = choice.table[0] if choice.table else None
+    if not choice.spec.types:
+        if best is None or choice.costs is None:
+            return f"{head}: no setting could be predicted"
+        t1 = choice.costs.t1_s
+        return (f"{head}: no setting was predicted more than {MARGIN:.0%} faster than none on "
+                f"{'a built-in prompt' if builtin else 'this prompt'}; the best, {setting_name(best.spec)}, "
+                f"×{best.speedup:.2f} ({explain(best, choice.costs)}; plain step {t1 * 1e3:.2f} ms)")
+    return (f"{head}: {setting_name(choice.spec)} was predicted ×{choice.predicted_speedup:.2f} on a built-in "
+            f"prompt, which says little of the requests' text")
 
 def _ngram(spec: SpecParams) -> bool:
     return bool(spec.types) and all(t in NGRAM_TYPES for t in spec.types)

@@ -250,6 +250,12 @@ def ngram_family_params(kw: dict) -> dict:
                 ngram_cache=NgramCacheParams(kw.get("lookup_static"), kw.get("lookup_dynamic")))
 
 
+def _auto_refresh(ctx, param, value):
+    from .auto import set_refresh  # the calibration's module, loaded only when a command runs
+
+    set_refresh(value)
+
+
 def spec_options(f):
     @click.option("--spec-type", "spec_type", callback=_spec_type, default=None,
                   help=f"comma-separated: none, {spelled(SPEC_TYPE_LIST)}; or auto "
@@ -279,6 +285,9 @@ def spec_options(f):
     @ngram_family_options
     @click.option("--spec-verify", "verify", type=click.Choice(["auto", "match", "rejection"]), default="auto",
                   show_default=True, help="rejection = speculative sampling when the drafter has a distribution")
+    @click.option("--spec-auto-refresh", "auto_refresh", is_flag=True, expose_value=False, callback=_auto_refresh,
+                  help="--spec-type auto: measure this machine's costs again (they are cached per model file, "
+                       "machine, threads and settings) and overwrite the cached ones")
     @click.option("--spec-draft-adaptive", "adaptive", is_flag=True,
                   help="each step's draft length: the one with the most expected tokens per second at the "
                        "drafter's running acceptance and the measured cost of a verify pass, within 1..n-max "
