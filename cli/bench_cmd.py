@@ -274,6 +274,11 @@ def _check_plot(path: str) -> None:
     check_output(path)
 
 
+def plot_label(r: BenchRow) -> str:
+    """A setting's name under its bars: "draft-mtp, n-max 3" (n-grams: their longest draft, as the table's n-max)."""
+    return r.setting if r.n_max is None else f"{r.setting}, n-max {r.n_max}"
+
+
 def plot(res: BenchResult, path: str) -> None:
     """Tokens/s (median, min–max bars) and acceptance per setting, one group of bars per prompt."""
     import matplotlib
@@ -281,7 +286,7 @@ def plot(res: BenchResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(dict.fromkeys(f"{r.setting}" + ("" if r.n_max is None else f" k{r.n_max}") for r in res.rows))
+    labels = list(dict.fromkeys(plot_label(r) for r in res.rows))
     prompts = [p.name for p in res.prompts]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(labels) * max(1, len(prompts)) ** 0.5), 7),
                                    sharex=True)
@@ -324,6 +329,10 @@ def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int,
     for item in (t.strip() for t in types_text.split(",")):
         if not item or item == "none":
             continue
+        if item == "auto":
+            raise click.BadParameter("bench compares named settings, and auto is a choice among them: leave "
+                                     "--spec-type out to compare every type this model can use, or see what auto "
+                                     "picks with `specrun run --spec-type auto`", param_hint="--spec-type")
         try:
             types = parse_spec_types(item.replace("+", ","))
         except SpecrunError as e:
@@ -334,6 +343,17 @@ def parse_settings(types_text: str, n_max_text: str, ngram_n: int, ngram_m: int,
         out += [Setting(SpecParams(types=types, n_max=k, ngram_size_n=ngram_n, ngram_size_m=ngram_m, **(family or {})))
                 for k in (n_maxes if not set(types) <= set(NGRAM_TYPES) else n_maxes[:1])]
     return out
+
+
+def ngram_n_max_note(n_max_text: str) -> str:
+    """The line for --spec-draft-n-max given with n-gram types only (llama.cpp does not apply it to them)."""
+    return (f"--spec-draft-n-max {n_max_text} is ignored: n-gram drafts are bounded by their own flags "
+            "(--spec-ngram-simple-size-m, --spec-ngram-map-k-size-m, --spec-ngram-mod-n-max...), as in llama.cpp")
+
+
+def _ngrams_only(settings: Sequence[Setting]) -> bool:
+    types = [s.spec.types for s in settings if s.spec.types]
+    return bool(types) and all(set(t) <= set(NGRAM_TYPES) for t in types)
 
 
 def _prompt_choice(prompt: str | None, file: str | None, names: str | None) -> list[tuple[str, str | None]]:
@@ -388,7 +408,7 @@ def _out_console(to_stderr: bool) -> Console:
               help="comma-separated settings to compare, 'a+b' for a combination "
                    f"(default: none, ngram-simple, and {' / '.join(MODEL_TYPES)} when the files allow)")
 @click.option("--spec-draft-n-max", "n_max", default="1,2,3,5,8", show_default=True,
-              help="comma-separated draft lengths; each spec type runs at each")
+              help="comma-separated draft lengths; each model spec type runs at each (n-gram types: their own flags)")
 @click.option("--spec-ngram-simple-size-n", "ngram_n", type=click.IntRange(1), default=SPEC_DEFAULT.ngram_size_n,
               show_default=True)
 @click.option("--spec-ngram-simple-size-m", "ngram_m", type=click.IntRange(1), default=SPEC_DEFAULT.ngram_size_m,
@@ -423,6 +443,9 @@ def bench(spec_type, n_max, ngram_n, ngram_m, prompt, file, prompt_names, n_pred
         spec_type = ",".join(("none", *(t for t in params.spec.types if t == "ngram-simple" or t not in NGRAM_TYPES)))
     family = ngram_family_params(kw)
     settings = parse_settings(spec_type, n_max, ngram_n, ngram_m, family)
+    if (click.get_current_context().get_parameter_source("n_max") is not click.core.ParameterSource.DEFAULT
+            and _ngrams_only(settings)):
+        err_console.print(ngram_n_max_note(n_max), markup=False, soft_wrap=True)
     chosen = _prompt_choice(prompt, file, prompt_names)
     union = tuple(dict.fromkeys(t for s in settings for t in s.spec.types))
     if "draft-simple" in union and not kw["model_draft"]:

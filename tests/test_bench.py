@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specrun.cli.bench_cmd import BenchPrompt, Setting, parse_settings, run_bench, tables, verify_dicts
+from specrun.cli.bench_cmd import (
+    BenchPrompt,
+    BenchRow,
+    Setting,
+    parse_settings,
+    plot_label,
+    run_bench,
+    tables,
+    verify_dicts,
+)
 from specrun.cli.main import cli
 from specrun.cli.runtime.auto import resolve_auto
 from specrun.cli.runtime.loading import available_types
@@ -168,6 +177,39 @@ def test_bench_flag_errors(tiny_mtp):
     assert r.exit_code == 2 and "unknown prompt 'poetry'" in r.stderr
     r = invoke("bench", "-m", str(tiny_mtp), "--prompts", "free", "-p", "x")
     assert r.exit_code == 2 and "give --prompts or -p/-f, not both" in r.stderr
+    r = invoke("bench", "-m", str(tiny_mtp), "--spec-type", "none,auto")
+    assert r.exit_code == 2 and ("Invalid value for --spec-type: bench compares named settings, and auto is a choice "
+                                 "among them: leave --spec-type out to compare every type this model can use, or see "
+                                 "what auto picks with `specrun run --spec-type auto`") in r.stderr
+
+
+NGRAM_NOTE = ("--spec-draft-n-max 3,8 is ignored: n-gram drafts are bounded by their own flags "
+              "(--spec-ngram-simple-size-m, --spec-ngram-map-k-size-m, --spec-ngram-mod-n-max...), as in llama.cpp")
+
+
+@pytest.mark.parametrize(("args", "noted"), [
+    (("--spec-type", "none,ngram-simple,ngram-mod", "--spec-draft-n-max", "3,8"), True),
+    (("--spec-type", "ngram-simple", "--spec-draft-n-max", "3,8"), True),
+    (("--spec-type", "ngram-simple,draft-mtp", "--spec-draft-n-max", "3,8"), False),   # draft-mtp runs at each
+    (("--spec-type", "none", "--spec-draft-n-max", "3,8"), False),
+    (("--spec-type", "ngram-simple",), False),                                        # the default list: not given
+])
+def test_bench_says_when_n_max_does_not_apply(tiny_mtp, args, noted):
+    """--spec-draft-n-max given with n-gram types only gets one line on stderr (the bad --prompts
+    stops the command before the model loads)."""
+    r = invoke("bench", "-m", str(tiny_mtp), *args, "--prompts", "poetry")
+    assert r.exit_code == 2 and "unknown prompt 'poetry'" in r.stderr
+    assert (NGRAM_NOTE in r.stderr) is noted, r.stderr
+    if noted:
+        assert r.stderr.count("is ignored") == 1
+
+
+def test_plot_labels_say_n_max():
+    row = dict(prompt="free", gen_tps=1.0, gen_tps_min=1.0, gen_tps_max=1.0, ratio_to_none=1.0, acceptance_rate=None,
+               mean_acc_len=None, tokens_per_pass=1.0, n_gen=8, equal_to_none=True, first_diff=None)
+    assert [plot_label(BenchRow(setting=s, n_max=k, **row)) for s, k in
+            [("none", None), ("ngram-simple", 48), ("draft-mtp", 3)]] == ["none", "ngram-simple, n-max 48",
+                                                                           "draft-mtp, n-max 3"]
 
 
 def test_parse_settings_none_first_combinations_and_aliases():
