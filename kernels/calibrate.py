@@ -32,6 +32,9 @@ reproduces both probes' measured pass times by construction and interpolates bet
 `none` is chosen unless the best setting is predicted faster by more than a margin.
 
 Acceptance comes from greedy probes: at temperature > 0 real acceptance is usually lower.
+
+CachedMeasure keeps the machine's part (D(r), T1, c0, c1) in a JSON file per model, machine and
+settings; a second calibration then only probes the acceptance of its own prompt.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ request's text), ngram-simple stays on with --spec-draft-adaptive, which holds i
 engine scores its whole proposals instead) on text it does not predict. Every n-gram type of
 llama.cpp is a candidate (ngram-simple at the command's sizes and at n2 m16, ngram-map-k, -map-k4v,
 ngram-mod, ngram-cache), probed on the same prompt.
+
+The machine's costs (the verify-cost curve, T1, each drafter's c0 and c1) are cached in
+auto_cache_dir(), keyed by the model files, the machine, the threads and the settings
+(kernels.calibrate.CachedMeasure). A second run only probes the prompt's acceptance;
+--spec-auto-refresh measures again.
 """
 
 from __future__ import annotations
