@@ -89,11 +89,14 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
 @click.option("--body-timeout", "body_timeout", type=click.FloatRange(0, min_open=True), default=BODY_TIMEOUT_S,
               show_default=True, help="seconds a request body may take to arrive (then: 408)")
 @click.option("--slots/--no-slots", "slots_endpoint", default=True, show_default=True,
-              help="GET /slots: each slot's request in flight or last one, with its prompt, text so far and "
-                   "settings (as llama-server's; --no-slots hides them from the clients)")
+              help="GET /slots: each slot's request in flight or last one, its progress and settings, without "
+                   "what the client typed (as llama-server's; --no-slots: a 501)")
+@click.option("--slots-debug", "slots_debug", is_flag=True, envvar="LLAMA_SERVER_SLOTS_DEBUG",
+              help="/slots shows every client's prompt, text so far, stop strings and grammar too "
+                   "(llama-server's LLAMA_SERVER_SLOTS_DEBUG=1): for debugging on a server only you use")
 @handle_errors
 def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout, max_body, body_timeout,
-          slots_endpoint, **kw):
+          slots_endpoint, slots_debug, **kw):
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/messages (Anthropic),
     /completion, /tokenize, /detokenize, /apply-template, /props, /slots, /v1/models, /health,
     /metrics (OpenAPI schema at /openapi.json). -n caps each request's tokens."""
@@ -114,7 +117,8 @@ def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, dr
                            host=host, port=port, parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias,
                            chat_template=chat_template, chat_template_file=chat_template_file,
                            prefill_assistant=prefill_assistant, drain_timeout=drain_timeout, max_body=max_body,
-                           body_timeout=body_timeout, slots_endpoint=slots_endpoint, verbose=kw["verbose"])
+                           body_timeout=body_timeout, slots_endpoint=slots_endpoint, slots_debug=slots_debug,
+                           verbose=kw["verbose"])
     with listen_socket(options.host, options.port) as sock:
         if warning := exposure_warning(sock.getsockname()[0], options.api_key):
             err_console.print(warning, markup=False, soft_wrap=True)

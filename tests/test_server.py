@@ -208,28 +208,31 @@ def test_tokenize_detokenize_and_props_as_llama_server(server):
     props = server.http.get("/props").json()
     assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 2
     assert props["default_generation_settings"]["params"]["n_predict"] == 64
-    assert props["model_alias"] == MODEL and props["model_path"].endswith(".gguf")
+    assert props["model_alias"] == MODEL and props["model_path"] == MODEL   # the -m value as typed, no path of this machine
     assert "<|im_start|>" in props["chat_template"] and props["eos_token"] == "<|im_end|>"
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
 
 
 def test_slots_show_each_slots_request_in_flight_and_last(server, tmp_path):
-    """GET /slots as llama-server's: per slot its request in flight or last one, with the prompt,
-    the text so far, its progress and settings; ?fail_on_no_slot=1 is a 503 while every slot is
-    busy; --no-slots turns it off (501)."""
+    """GET /slots as llama-server's: per slot its request in flight or last one, its progress and
+    settings, but not what the client typed (prompt, text, stop strings, grammar) unless
+    --slots-debug; ?fail_on_no_slot=1 is a 503 while every slot is busy; --no-slots turns it off
+    (501, llama-server's message)."""
     prompt = "Slots test: the capital of France is"
-    done = server.completion(prompt, 12, seed=7)
+    done = server.completion(prompt, 12, seed=7, stop=["secret stop"])
     slots = server.http.get("/slots").json()
     assert [s["id"] for s in slots] == [0, 1] and all(s["n_ctx"] == 512 for s in slots)
     s = slots[done["id_slot"]]
     assert s["is_processing"] is False and s["speculative"] is False
-    assert s["prompt"].endswith(prompt) and s["generated"] == done["content"]
+    assert "prompt" not in s and "generated" not in s and "secret" not in json.dumps(s)
     assert s["n_prompt_tokens"] == done["tokens_evaluated"]
     assert s["n_prompt_tokens_cache"] == done["tokens_cached"]
     assert s["n_prompt_tokens_processed"] == done["tokens_evaluated"] - done["tokens_cached"]
     assert s["next_token"] == [{"has_next_token": False, "has_new_line": "\n" in done["content"],
                                 "n_remain": 12 - done["tokens_predicted"], "n_decoded": done["tokens_predicted"]}]
-    assert s["params"] == {**done["generation_settings"], "stream": False}
+    private = ("stop", "grammar", "logit_bias")
+    assert s["params"] == {k: v for k, v in {**done["generation_settings"], "stream": False}.items()
+                           if k not in private}
     assert isinstance(s["id_task"], int)
     # id_slot (llama-server's): the request runs on that slot, modulo their number
     assert [server.completion(prompt, 2, id_slot=k)["id_slot"] for k in (1, 0, 3)] == [1, 0, 1]
@@ -245,7 +248,7 @@ def test_slots_show_each_slots_request_in_flight_and_last(server, tmp_path):
     while any(t.is_alive() for t in threads):
         # the plain GET for what is in flight: with both slots busy the whole time (a slow machine)
         # every ?fail_on_no_slot=1 answer is a 503
-        seen += [x for x in server.http.get("/slots").json() if x["is_processing"] and x["generated"]]
+        seen += [x for x in server.http.get("/slots").json() if x["is_processing"] and x["next_token"][0]["n_decoded"]]
         r = server.http.get("/slots", params={"fail_on_no_slot": "1"})
         if r.status_code == 503:
             busy_503.append(r.json()["error"]["message"])
@@ -255,10 +258,20 @@ def test_slots_show_each_slots_request_in_flight_and_last(server, tmp_path):
     assert busy_503 and "no slot available" in busy_503[0]
     assert seen and all(0 < x["next_token"][0]["n_decoded"] and x["next_token"][0]["has_next_token"] for x in seen), seen
     assert server.http.get("/slots", params={"fail_on_no_slot": "1"}).status_code == 200     # idle again
+    debug = ServerProcess(tmp_path, "-m", MODEL, "-c", "256", "-n", "4", "--slots-debug")
+    try:
+        done = debug.completion(prompt, 4, seed=7, stop=["secret stop"])
+        s = debug.http.get("/slots").json()[0]
+        assert s["prompt"].endswith(prompt) and s["generated"] == done["content"]
+        assert s["params"] == {**done["generation_settings"], "stream": False}
+    finally:
+        debug.kill()
     off = ServerProcess(tmp_path, "-m", MODEL, "-c", "256", "-n", "4", "--no-slots")
     try:
         r = off.http.get("/slots")
-        assert r.status_code == 501 and "--no-slots" in r.json()["error"]["message"], r.text
+        assert r.status_code == 501 and r.json() == {"error": {
+            "message": "This server does not support slots endpoint. Start it with `--slots`",
+            "type": "not_supported_error", "code": "not_supported_error"}}, r.text
     finally:
         off.kill()
 

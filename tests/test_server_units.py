@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from pydantic import BaseModel
 
 from specrun.cli.runtime.text import StopScanner
 from specrun.cli.serve_cmd import exposure_warning, listen_socket
@@ -354,7 +355,7 @@ async def asgi(app, method="POST", path="/v1/completions", headers=(), body_part
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path,
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
              "headers": [(k.lower().encode(), v.encode()) for k, v in headers]}
     await asyncio.wait_for(app(scope, receive, send), 30)
     start = next((m for m in sent if m["type"] == "http.response.start"), None)
@@ -475,3 +476,26 @@ def test_text_offsets_count_characters_not_pieces():
     assert text_offsets([b"\xe9", b"\xa6", b"\x96", b"x"]) == [0, 0, 0, 1]            # 首x
     assert text_offsets([b"\xff", b"ab", b"\xf0\x9f", b"\x98\x80", b"!"]) == [0, 1, 3, 3, 4]   # ?ab😀!
     assert text_offsets([]) == []
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain",
+                                          "application/json", "application/json; charset=utf-8"])
+def test_guard_reads_every_body_as_json_as_llama_server(content_type):
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded; llama-server parses the body as
+    JSON whatever the Content-Type, and so does a FastAPI route behind Guard."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+
+    headers = () if content_type is None else (("Content-Type", content_type),)
+    status, _, body = asyncio.run(asgi(guard(app, max_body=1000), headers=headers, body_parts=(b'{"prompt": "hi"}',)))
+    assert (status, json.loads(body)) == (200, {"prompt": "hi"})
+
+
+class _Prompt(BaseModel):
+    prompt: str
+
+
+async def _completions(body: _Prompt) -> dict:
+    return {"prompt": body.prompt}

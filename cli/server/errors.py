@@ -17,7 +17,7 @@ class ApiError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-             503: "unavailable_error"}
+             403: "permission_error", 501: "not_supported_error", 503: "unavailable_error"}
 
     def __init__(self, status: int, message: str, code: str, headers: dict | None = None) -> None:
         super().__init__(message)

@@ -49,6 +49,7 @@ class ServeOptions:
     max_body: int                       # bytes of a request body; more is a 413
     body_timeout: float                 # seconds a request body may take; then a 408
     slots_endpoint: bool                # GET /slots shows the slots (--no-slots: it does not)
+    slots_debug: bool                   # /slots shows the requests' texts too (LLAMA_SERVER_SLOTS_DEBUG)
     verbose: bool                       # -v: uvicorn's info log and access log too
 
 
@@ -143,7 +144,8 @@ class Loader(threading.Thread):
                                   spec_types=tuple(spec_types), max_queue=opt.max_queue, api_key=opt.api_key,
                                   chat_format=fmt, no_template_reason=reason, max_body=opt.max_body,
                                   body_timeout=opt.body_timeout, drain_timeout=opt.drain_timeout,
-                                  prefill_assistant=opt.prefill_assistant, slots_endpoint=opt.slots_endpoint)
+                                  prefill_assistant=opt.prefill_assistant, slots_endpoint=opt.slots_endpoint,
+                                  slots_debug=opt.slots_debug, model_path=opt.model)
             state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
             app = create_app(state)
         except BaseException:

@@ -5,9 +5,10 @@
     Guard   outermost layer of the app, in this order: the API key (every path but the health
             checks), 503 `shutting_down` once SIGTERM came (but /metrics), the request body read
             whole within --body-timeout (408) and --max-body (413, checked on Content-Length
-            before reading) and checked to be UTF-8 (400), then the app; an exception the app lets out becomes a JSON 500 and
-            the connection stays usable. It counts error responses, and asks clients to close
-            their connection while the server stops.
+            before reading) and checked to be UTF-8 (400), then the app, with the body read as JSON
+            whatever its Content-Type says (as llama-server); an exception the app lets out becomes
+            a JSON 500 and the connection stays usable. It counts error responses, and asks clients
+            to close their connection while the server stops.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Guard:
                                               f"0x{body[e.start]:02x} at offset {e.start})", "invalid_json"), send,
                                      path=path)
             receive = _replay(body, receive)
+            scope = _as_json(scope)
         started = False
 
         async def tracking(message) -> None:
@@ -153,6 +155,19 @@ class Guard:
             await send(message)
 
         return wrapped
+
+
+def _as_json(scope) -> dict:
+    """scope with its body declared JSON: llama-server reads every body as JSON whatever the
+    Content-Type says, and `curl -d` sends application/x-www-form-urlencoded (FastAPI would not
+    parse those as JSON, nor a body without a Content-Type)."""
+    headers = scope["headers"]
+    given = next((v for k, v in headers if k == b"content-type"), b"")
+    media = given.split(b";")[0].strip().lower()
+    if media == b"application/json" or media.endswith(b"+json"):
+        return scope
+    return {**scope, "headers": [*((k, v) for k, v in headers if k != b"content-type"),
+                                 (b"content-type", b"application/json")]}
 
 
 def _replay(body: bytes, receive):

@@ -1,7 +1,9 @@
 """llama-server's own endpoints: POST /completion, with `tokens`, `timings` and the settings used
 (stream: server-sent events without `[DONE]`, as llama-server); POST /tokenize and /detokenize;
 GET /props (the settings a client reads: context size, slots, defaults, chat template); GET /slots
-(each slot's request in flight or last one, its progress and settings; --no-slots turns it off)."""
+(each slot's request in flight or last one, its progress and settings; --no-slots turns it off).
+/slots leaves out what a client typed (prompt, text, stop strings, grammar, logit biases) unless
+--slots-debug (LLAMA_SERVER_SLOTS_DEBUG=1) asks for it, as llama-server does."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from .slots import Outcome, Slot
 from .state import Client, ServerState
 from .streaming import stream
 from .views import sse_doc
+
+_PRIVATE = frozenset({"stop", "grammar", "logit_bias"})   # settings /slots shows only with --slots-debug
 
 
 def llama_router(state: ServerState) -> APIRouter:
@@ -99,7 +103,7 @@ def llama_router(state: ServerState) -> APIRouter:
                   "speculative": {"type": list(sp.types) or ["none"], "n_max": sp.n_max, "n_min": sp.n_min,
                                   "p_min": sp.p_min}}
         return {"default_generation_settings": {"n_ctx": state.n_ctx, "params": params},
-                "total_slots": len(state.pool.slots), "model_alias": cfg.alias, "model_path": model.path,
+                "total_slots": len(state.pool.slots), "model_alias": cfg.alias, "model_path": cfg.model_path,
                 "modalities": {"vision": False, "video": False, "audio": False},
                 "chat_template": fmt.template.source if fmt is not None else "",
                 "bos_token": model.token_text(model.bos),
@@ -120,22 +124,26 @@ def llama_router(state: ServerState) -> APIRouter:
         o = run.result if isinstance(run.result, Outcome) else None
         n_gen = len(o.tokens) if o is not None else st.n_gen if st is not None else 0
         n_new = st.n_prompt if st is not None and (st.n_gen or o is not None) else 0   # known once the prompt is in
+        settings = state.settings(job)
+        if not cfg.slots_debug:   # what one client typed is no other client's business (llama-server's rule)
+            settings = {k: v for k, v in settings.items() if k not in _PRIVATE}
         out.update({"id_task": run.id_task, "n_prompt_tokens": len(job.prompt),
                     "n_prompt_tokens_processed": n_new,
                     "n_prompt_tokens_cache": len(job.prompt) - n_new if n_new else 0,
-                    "params": state.settings(job),
+                    "params": settings,
                     "next_token": [{"has_next_token": run.result is None, "has_new_line": "\n" in text,
                                     "n_remain": max(job.n_predict - n_gen, 0) if job.n_predict >= 0 else -1,
-                                    "n_decoded": n_gen}],
-                    "prompt": state.detokenize(job.prompt), "generated": text})
+                                    "n_decoded": n_gen}]})
+        if cfg.slots_debug:
+            out.update({"prompt": state.detokenize(job.prompt), "generated": text})
         return out
 
     @router.get("/slots", summary="each slot's state: the request in flight or the last one (llama-server's)",
                 responses={501: {"model": ErrorResponse, "description": "started with --no-slots"},
                            503: {"model": ErrorResponse, "description": "?fail_on_no_slot=1 and every slot busy"}})
     async def slots(fail_on_no_slot: str = ""):
-        if not cfg.slots_endpoint:
-            raise ApiError(501, "this server does not serve /slots; start it without --no-slots",
+        if not cfg.slots_endpoint:   # llama-server's words and code
+            raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`",
                            "not_supported_error")
         if fail_on_no_slot and state.pool.n_busy == len(state.pool.slots):
             raise ApiError(503, "no slot available: every slot is processing a request", "unavailable_error")

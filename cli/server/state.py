@@ -53,6 +53,8 @@ class ServerConfig:
     drain_timeout: float = DRAIN_TIMEOUT_S    # seconds the runs in flight get to finish on SIGTERM
     prefill_assistant: bool = True            # a final assistant message is continued (llama-server's default)
     slots_endpoint: bool = True               # GET /slots (--no-slots: 501)
+    slots_debug: bool = False                 # /slots shows prompts, texts, stop strings and grammars too
+    model_path: str = ""                      # /props' model_path: the -m value as typed (a path or a name)
 
 
 @dataclass(frozen=True, slots=True)
