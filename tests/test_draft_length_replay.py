@@ -24,7 +24,7 @@ CURVE = {1: 0.010, 2: 0.012, 4: 0.015, 8: 0.022, 16: 0.036, 17: 0.040, 32: 0.068
 
 @pytest.fixture(scope="module")
 def engine(smollm_path):
-    with Engine(str(smollm_path), EngineParams(n_ctx=1024, n_threads=2)) as e:
+    with Engine(str(smollm_path), EngineParams(n_ctx=1024)) as e:
         yield e
 
 

@@ -303,7 +303,7 @@ def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(s
 
     code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:1200]
     greedy = SamplingParams(temp=0.0)
-    with Engine(str(smollm_path), EngineParams(n_ctx=2048, n_threads=2)) as e:
+    with Engine(str(smollm_path), EngineParams(n_ctx=2048)) as e:
         e.pass_cost = FixedCost()
         prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:200])
 
@@ -346,7 +346,7 @@ def test_adaptive_ngram_drafter_is_held_back_when_wrong_and_output_unchanged(smo
 
     code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:1200]
     greedy = SamplingParams(temp=0.0)
-    with Engine(str(smollm_path), EngineParams(n_ctx=2048, n_threads=2)) as e:
+    with Engine(str(smollm_path), EngineParams(n_ctx=2048)) as e:
         e.pass_cost = FixedCost()
         prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:200])
         plain = [t for c in e.generate(prompt, 64, greedy) for t in c]
@@ -371,7 +371,7 @@ def test_the_engines_probe_times_the_curve_rows_once(smollm_path):
     from specrun.kernels.types import SamplingParams
 
     greedy = SamplingParams(temp=0.0)
-    with Engine(str(smollm_path), EngineParams(n_ctx=1024, n_threads=2)) as e:
+    with Engine(str(smollm_path), EngineParams(n_ctx=1024)) as e:
         prompt = e.tokenize("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
         plain = [t for c in e.generate(prompt, 24, greedy) for t in c]
         probed: list[int] = []

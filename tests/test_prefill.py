@@ -152,8 +152,8 @@ def engines(request, gemma_path, smollm_path):
     path = str(gemma_path if request.param == "gemma" else smollm_path)
     # the fast context in this process, whose parts these tests look at (Gemma's Q6_K would send it to a
     # child process: tests/test_prefill_worker.py)
-    fast = Engine(path, EngineParams(n_ctx=2048, n_threads=2, prefill_worker=False))
-    slow = Engine(path, EngineParams(n_ctx=2048, n_threads=2, fast_prefill=False))
+    fast = Engine(path, EngineParams(n_ctx=2048, prefill_worker=False))
+    slow = Engine(path, EngineParams(n_ctx=2048, fast_prefill=False))
     text = "Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE
     toks = fast.tokenize(text)
     prompts = {"two_blocks": toks[:1100], "one_block": toks[:700], "short": toks[:300], "tiny": toks[:100]}

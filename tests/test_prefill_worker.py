@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow,
 _CODE = (Path(__file__).parent / "data" / "copy_source.txt").read_text()
 GREEDY = SamplingParams(temp=0.0)
 SEEDED = SamplingParams(temp=0.8, seed=77)
-PARAMS = EngineParams(n_ctx=2048, n_threads=2)
+PARAMS = EngineParams(n_ctx=2048)
 
 
 def _run(e: Engine, prompt, n=24, sampling=GREEDY, **kw):
@@ -71,7 +71,7 @@ def test_the_file_decides(gemma, smollm_path):
             assert type(e.fast) is FastPrefill
     with Engine(gemma.path, PARAMS, model=gemma) as e:
         assert type(e.fast) is PrefillWorker and e.fast.pid is None     # started at the first long prompt
-    with Engine(gemma.path, EngineParams(n_ctx=2048, n_threads=2, prefill_worker=False), model=gemma) as e:
+    with Engine(gemma.path, EngineParams(n_ctx=2048, prefill_worker=False), model=gemma) as e:
         assert type(e.fast) is FastPrefill
 
 
@@ -143,7 +143,7 @@ def test_a_worker_that_dies_leaves_the_work_here(gemma, engine, caplog):
     results are then those of an engine that never had a worker."""
     _, P = engine
     prompt = P["one_block"]
-    with Engine(gemma.path, EngineParams(n_ctx=2048, n_threads=2, prefill_worker=False), model=gemma) as local:
+    with Engine(gemma.path, EngineParams(n_ctx=2048, prefill_worker=False), model=gemma) as local:
         want = _run(local, prompt)[:2]
     with Engine(gemma.path, PARAMS, model=gemma) as e:
         _run(e, P["short"], 2)

@@ -22,7 +22,7 @@ PROMPT = "Repeat after me: the cat sat on the mat and the dog sat on the log.\n"
 
 @pytest.fixture(scope="module")
 def engine(smollm_path):
-    with Engine(str(smollm_path), EngineParams(n_ctx=1024, n_threads=2)) as e:
+    with Engine(str(smollm_path), EngineParams(n_ctx=1024)) as e:
         yield e
 
 
