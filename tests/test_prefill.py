@@ -145,7 +145,8 @@ def _run(e: Engine, prompt, n=24, sampling=GREEDY, **kw):
     return toks, [lp.logprob for lp in gen.logprobs], gen.stats
 
 
-@pytest.fixture(scope="module", params=["gemma", "smollm"])
+# Gemma's long prompts are the suite's slowest: its half runs in `make test-full`
+@pytest.fixture(scope="module", params=[pytest.param("gemma", marks=pytest.mark.full), "smollm"])
 def engines(request, gemma_path, smollm_path):
     """(engine with the fast prompt context, the same without it, prompts) for one model.
     Gemma 3 has sliding-window layers (a handed-over state keeps only the window)."""

@@ -241,21 +241,27 @@ def synthetic(tmp_path_factory) -> dict[str, tuple[Path, ...]]:
     return {"mtp": (mtp, d / "heads.gguf"), "eagle3": write_eagle3_pair(d / "e3-target.gguf", d / "e3-draft.gguf", EAGLE3_TINY, "q8_0")}
 
 
+def case(name: str, model: str, flags: tuple[str, ...], *, full: bool = False):
+    """One spec type of the grid; full: in its tail, which `make test-full` runs."""
+    return pytest.param(name, model, flags, id=name, marks=pytest.mark.full if full else ())
+
+
 CASES = [   # (name, model, extra flags); n-gram drafts need a prompt that repeats
-    ("none", MODEL, ("--spec-type", "none")),
-    ("ngram-simple", MODEL, ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
-                             "--spec-ngram-simple-size-m", "16")),
-    ("ngram-mod", MODEL, ("--spec-type", "ngram-mod")),
-    ("draft", MODEL, ("--spec-type", "draft", "-md", MODEL, "--spec-draft-n-max", "4")),
-    ("draft-mtp", "mtp", ("--spec-type", "draft-mtp", "--spec-draft-n-max", "3")),
-    ("draft-mtp -md heads", "mtp", ("--spec-type", "draft-mtp", "-md", "{draft}", "--spec-draft-n-max", "3")),
-    ("draft-eagle3", "eagle3", ("--spec-type", "draft-eagle3", "-md", "{draft}", "--spec-draft-n-max", "4")),
+    case("none", MODEL, ("--spec-type", "none")),
+    case("ngram-simple", MODEL, ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                 "--spec-ngram-simple-size-m", "16")),
+    case("ngram-mod", MODEL, ("--spec-type", "ngram-mod"), full=True),
+    case("draft", MODEL, ("--spec-type", "draft", "-md", MODEL, "--spec-draft-n-max", "4"), full=True),
+    case("draft-mtp", "mtp", ("--spec-type", "draft-mtp", "--spec-draft-n-max", "3")),
+    case("draft-mtp -md heads", "mtp", ("--spec-type", "draft-mtp", "-md", "{draft}", "--spec-draft-n-max", "3"),
+         full=True),
+    case("draft-eagle3", "eagle3", ("--spec-type", "draft-eagle3", "-md", "{draft}", "--spec-draft-n-max", "4")),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, model, flags", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("seed", [None, "7"], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("name, model, flags", CASES)
+@pytest.mark.parametrize("seed", [None, pytest.param("7", marks=pytest.mark.full)], ids=["greedy", "seeded"])
 def test_every_spec_type_over_two_workers_equals_local_none(workers, synthetic, name, model, flags, seed):
     files = synthetic.get(model)
     path = str(files[0]) if files else model
