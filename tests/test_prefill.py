@@ -195,6 +195,7 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
 
 
 @pytest.mark.slow
+@pytest.mark.full          # a dozen 1,100-1,600-token prompts: `make test-full`
 def test_result_depends_on_the_tokens_only(engines):
     """Fresh, after a longer prompt, after a shorter one, after the same prompt with an answer
     appended (a chat turn), across a block boundary: same tokens, same log-probabilities."""
@@ -241,7 +242,7 @@ def test_result_depends_on_the_tokens_only(engines):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, pytest.param(SEEDED, marks=pytest.mark.full)], ids=["greedy", "seeded"])
 def test_spec_equals_none_through_the_hand_over(engines, sampling):
     """Both branches: the target as its own draft (always right at temp 0) and n-grams on a copy."""
     fast, _, P = engines

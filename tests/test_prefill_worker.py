@@ -75,6 +75,7 @@ def test_the_file_decides(gemma, smollm_path):
         assert type(e.fast) is FastPrefill
 
 
+@pytest.mark.full          # a dozen long prompts through the worker: `make test-full`
 def test_result_depends_on_the_tokens_only(engine):
     e, P = engine
     prompt = P["two_blocks"]
@@ -104,7 +105,7 @@ def test_result_depends_on_the_tokens_only(engine):
     assert e.fast.pid == pid                                           # one worker for the engine's life
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, pytest.param(SEEDED, marks=pytest.mark.full)], ids=["greedy", "seeded"])
 def test_spec_equals_none_through_the_worker(engine, sampling):
     """Both branches: the target as its own draft (always right at temp 0) and n-grams on a copy."""
     e, P = engine
