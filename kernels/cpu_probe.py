@@ -195,18 +195,19 @@ _GGML_BACKEND_DEVICE_TYPE_CPU = 0
 _P = ctypes.c_void_p
 
 
-def _ggml_fn(name: str, restype, *argtypes):
+def ggml_fn(name: str, restype, *argtypes):
+    """A function of libggml (the backend registry's), typed."""
     return ctypes.CFUNCTYPE(restype, *argtypes)((name, _ggml.libggml))
 
 
 def _extra_bufts() -> ctypes.Array | None:
     """The CPU device's NULL-terminated array of extra buffer types, the one llama.cpp's loader
     walks when use_extra_bufts is on; None where this build does not offer it."""
-    dev = _ggml_fn("ggml_backend_dev_by_type", _P, ctypes.c_int)(_GGML_BACKEND_DEVICE_TYPE_CPU)
+    dev = ggml_fn("ggml_backend_dev_by_type", _P, ctypes.c_int)(_GGML_BACKEND_DEVICE_TYPE_CPU)
     if not dev:
         return None
-    reg = _ggml_fn("ggml_backend_dev_backend_reg", _P, _P)(dev)
-    addr = _ggml_fn("ggml_backend_reg_get_proc_address", _P, _P, ctypes.c_char_p)(
+    reg = ggml_fn("ggml_backend_dev_backend_reg", _P, _P)(dev)
+    addr = ggml_fn("ggml_backend_reg_get_proc_address", _P, _P, ctypes.c_char_p)(
         reg, b"ggml_backend_dev_get_extra_bufts") if reg else None
     if not addr:
         return None
@@ -214,7 +215,7 @@ def _extra_bufts() -> ctypes.Array | None:
 
 
 def _buft_name(buft: int) -> str:
-    return _ggml_fn("ggml_backend_buft_name", ctypes.c_char_p, _P)(buft).decode()
+    return ggml_fn("ggml_backend_buft_name", ctypes.c_char_p, _P)(buft).decode()
 
 
 def extra_buft_names() -> list[str] | None:

@@ -416,11 +416,7 @@ class BuildInfo:
 def build_info() -> BuildInfo:
     """What `specrun --version` prints: the bindings, ggml's version and commit, its backends and
     the CPU features the build uses."""
-    from llama_cpp import _ggml
-
-    def fn(name: str, restype, *argtypes):
-        return ctypes.CFUNCTYPE(restype, *argtypes)((name, _ggml.libggml))
-
+    fn = cpu_probe.ggml_fn
     reg_get = fn("ggml_backend_reg_get", ctypes.c_void_p, ctypes.c_size_t)
     reg_name = fn("ggml_backend_reg_name", ctypes.c_char_p, ctypes.c_void_p)
     backends = tuple(reg_name(reg_get(i)).decode() for i in range(fn("ggml_backend_reg_count", ctypes.c_size_t)()))
