@@ -8,8 +8,7 @@ PROMPT_FILE ?= benchmarks/prompts/code_rewrite.txt
 # llama-cpp-python is built with ggml's RPC backend (`specrun rpc-worker`, `--rpc`) and, on x86-64,
 # with the CPU's instruction sets named from /proc/cpuinfo instead of -march=native, AMX off (its
 # kernels crash on some hosts): the flags llama.cpp's own llama-server is built with for
-# `make bench-peers`. On a Xeon with AMX, -march=native decoded 10-20 % slower (SmolLM2 106 -> 128
-# tok/s, Gemma 3 50 -> 52, the EAGLE-3 test target 164 -> 190, one process, interleaved).
+# `make bench-peers` (docs/design.md, "Builds and CPU checks").
 LLAMA_CPP_PY  := 0.3.36
 cpu_has = $(if $(shell grep -qw '$(1)' /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
 ifeq ($(shell uname -m),x86_64)
