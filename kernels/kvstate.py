@@ -15,10 +15,8 @@ transposed (flash attention on)::
 Anything else is refused with KVStateError, and the caller keeps the exact path.
 
 The K rotation (a matrix product) runs on one BLAS thread: numpy's OpenBLAS keeps its worker
-threads spinning for about 0.1 s after a multi-threaded call, on the cores that llama.cpp's threads
-need for the next decode. Measured on 2 cores, after a 2,201-token hand-over: the first decode step
-took 90-118 ms instead of 20 on Gemma 3 270M (92-108 ms on SmolLM2), while one BLAS thread costs the
-re-encoding 5-7 ms (30 -> 35 ms) on Gemma and saves 25 ms (174 -> 148 ms) on SmolLM2.
+threads spinning for a while after a multi-threaded call, on the cores that llama.cpp's threads
+need for the next decode (docs/design.md, "The fast prompt path").
 """
 
 from __future__ import annotations

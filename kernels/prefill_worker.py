@@ -3,10 +3,8 @@
 Exact mode turns the tiled K-quant matmul off (``GGML_CPU_TILED_MM=0``, kernels/llama.py), and
 ggml reads that switch once per process, so the fast prompt context (kernels/prefill.py) in the
 exact context's process runs without it, where llama-server uses it. On x86 the tiled kernel takes
-Q2_K..Q6_K and the IQ types that are not repacked: Q6_K in a Q4_K_M file. Measured with
-benchmarks/prompt_kernels.py (2 threads, the fast context's blocks of a 2,201-token prompt): Gemma
-3 270M Q4_K_M 676 tok/s with the kernel, 616 without (0.91); SmolLM2 Q4_1, which it never takes,
-307 and 308. So for a file with such tensors (uses_worker) the engine's FastPrefill runs in
+Q2_K..Q6_K and the IQ types that are not repacked: Q6_K in a Q4_K_M file (what the kernel is worth:
+`make bench-prompt-kernels`). So for a file with such tensors (uses_worker) the engine's FastPrefill runs in
 ``python -m specrun.kernels.prefill_worker``, started at the first long prompt, with the variable
 removed from its environment: the same block rules, the same re-encoding (kvstate.quantize_k),
 only the kernels differ, and only in the prompt's KV (a function of the tokens, as before).
@@ -54,14 +52,11 @@ TILED_TYPES = frozenset({"Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "I
                          "IQ3_S", "IQ1_S", "IQ1_M"})
 START_TIMEOUT_S = 300.0     # the child's load of the model (its file pages are this process's)
 POLL_S = 0.05               # how often the parent asks cancel() while the child evaluates
-# Where it does not pay: the child starts in 0.52 s, once per engine, where the in-process twin loads
-# in 0.38 s once per model. So it keeps prefill.MIN_PROMPT's line (256 tokens), though with the tiled
-# kernel the fast path's prompt time over the exact path's is already 1.03 / 0.95 / 0.93 / 0.88 at
-# 66 / 98 / 128 / 160 tokens on Gemma 3 270M (one process, alternating, median of 7): a one-shot run's
-# first prompt of 98 tokens took 719 ms through a worker against 170 ms on the exact path. A server
-# starts its worker with the model (start()), so that no request waits for it; its slots (-np > 1)
-# share one worker (SharedPrefill), one prompt at a time: a worker per slot would hold a repacked
-# copy of the weights per slot.
+# The worker keeps prefill.MIN_PROMPT's line (256 tokens): below it, starting the child costs a
+# one-shot run more than the kernel saves (docs/design.md, "The fast prompt path"). A server starts
+# its worker with the model (start()), so that no request waits for it; its slots (-np > 1) share
+# one worker (SharedPrefill), one prompt at a time: a worker per slot would hold a repacked copy of
+# the weights per slot.
 
 
 def uses_worker(model: Model) -> bool:
