@@ -37,7 +37,7 @@ MAX_EXACT_BATCH = 63  # flash attention switches to its tiled kernel at 64 query
 import llama_cpp as L  # noqa: E402  (after the module docstring's contract; imports the native lib)
 from llama_cpp import llama_cpp_ext as X  # noqa: E402
 
-from . import cpu_probe, rpc  # noqa: E402
+from . import cpu_probe, rpc, threads  # noqa: E402
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -396,11 +396,8 @@ class Model:
 
 def default_threads() -> int:
     """The threads of a context given none: LLAMA_ARG_THREADS when set (llama.cpp's variable for
-    -t), else every core."""
-    env = os.environ.get("LLAMA_ARG_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return os.cpu_count() or 1
+    -t), else the cores idle now (kernels/threads.py, decided once per process)."""
+    return threads.default_threads()
 
 
 @dataclass(frozen=True, slots=True)
