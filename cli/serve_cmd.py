@@ -100,25 +100,9 @@ def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, dr
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/messages (Anthropic),
     /completion, /tokenize, /detokenize, /apply-template, /props, /slots, /v1/models, /health,
     /metrics (OpenAPI schema at /openapi.json). -n caps each request's tokens."""
-    if api_key is None and os.environ.get("SPECRUN_API_KEY") is not None:
-        api_key = os.environ["SPECRUN_API_KEY"]      # click reads an empty variable as unset
-    if api_key is not None and not api_key.strip():
-        raise click.ClickException("the API key is empty (--api-key or SPECRUN_API_KEY); give a key, or leave "
-                                   "both out to serve without one")
     setup_logging(kw["verbose"])
-    chat_template, chat_template_file = chat_template_choice(kw)
-    params = engine_params(kw)
-    sampling = sampling_params(kw)   # a bad penalty, bias or grammar: one line before the port is bound
-    if not kw["threads"]:   # the default threads (all cores, or LLAMA_ARG_THREADS), shared between the slots
-        from specrun.kernels.llama import default_threads
-
-        params = replace(params, n_threads=max(1, default_threads() // parallel))
-    options = ServeOptions(model=kw["model"], params=params, sampling=sampling, n_predict=kw["n_predict"],
-                           host=host, port=port, parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias,
-                           chat_template=chat_template, chat_template_file=chat_template_file,
-                           prefill_assistant=prefill_assistant, drain_timeout=drain_timeout, max_body=max_body,
-                           body_timeout=body_timeout, slots_endpoint=slots_endpoint, slots_debug=slots_debug,
-                           verbose=kw["verbose"])
+    options = serve_options(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout,
+                            max_body, body_timeout, slots_endpoint, slots_debug, **kw)
     with listen_socket(options.host, options.port) as sock:
         if warning := exposure_warning(sock.getsockname()[0], options.api_key):
             err_console.print(warning, markup=False, soft_wrap=True)
@@ -130,3 +114,28 @@ def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, dr
                 err_console.print(f"error: {ended.lost}", style="red", markup=False, soft_wrap=True)
                 sys.stdout.flush()
                 os._exit(1)
+
+
+def serve_options(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout, max_body,
+                  body_timeout, slots_endpoint, slots_debug, **kw) -> ServeOptions:
+    """serve's parameters (click's, as parsed) checked and made ServeOptions; raises
+    click.ClickException (one line) before any port is bound. tests/serving.py builds its
+    in-process servers with it."""
+    if api_key is None and os.environ.get("SPECRUN_API_KEY") is not None:
+        api_key = os.environ["SPECRUN_API_KEY"]      # click reads an empty variable as unset
+    if api_key is not None and not api_key.strip():
+        raise click.ClickException("the API key is empty (--api-key or SPECRUN_API_KEY); give a key, or leave "
+                                   "both out to serve without one")
+    chat_template, chat_template_file = chat_template_choice(kw)
+    params = engine_params(kw)
+    sampling = sampling_params(kw)   # a bad penalty, bias or grammar: one line before the port is bound
+    if not kw["threads"]:   # the default threads (all cores, or LLAMA_ARG_THREADS), shared between the slots
+        from specrun.kernels.llama import default_threads
+
+        params = replace(params, n_threads=max(1, default_threads() // parallel))
+    return ServeOptions(model=kw["model"], params=params, sampling=sampling, n_predict=kw["n_predict"],
+                        host=host, port=port, parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias,
+                        chat_template=chat_template, chat_template_file=chat_template_file,
+                        prefill_assistant=prefill_assistant, drain_timeout=drain_timeout, max_body=max_body,
+                        body_timeout=body_timeout, slots_endpoint=slots_endpoint, slots_debug=slots_debug,
+                        verbose=kw["verbose"])

@@ -32,6 +32,16 @@ def smollm_path() -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="session")
+def servers():
+    """In-process `specrun serve` servers over engines kept for the session (tests/serving.py)."""
+    from serving import Servers
+
+    s = Servers()
+    yield s
+    s.close()
+
+
 def write_gguf(path: Path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 32, nextn: int = 0,
                tokens: list[str] | None = None, chat_template: str | None = None) -> Path:
     """A tiny model GGUF: F32/F16/Q8_0 tensors, `n_layer` blocks, the last `nextn` of which are

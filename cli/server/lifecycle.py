@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -65,13 +66,9 @@ def run(options: ServeOptions, sock) -> Ended | None:
     """Serve on sock (bound and listening) until SIGTERM / Ctrl-C. Returns None when the server
     stopped before the model loaded; raises what the loading raised (a bad model, a
     --chat-template that does not render)."""
-    import uvicorn
-
     url = f"http://{options.host}:{sock.getsockname()[1]}"
     gate = Gate()
-    server = _make_server(uvicorn.Config(gate, lifespan="off", timeout_graceful_shutdown=max(options.drain_timeout, 5.0),
-                                         log_level="info" if options.verbose else "warning",
-                                         access_log=options.verbose))
+    server = make_server(options, gate)
     loader = Loader(options, url, gate, server)
     err_console.print(f"specrun serve: loading {options.model} on {url}", markup=False, soft_wrap=True)
     loader.start()
@@ -85,7 +82,22 @@ def run(options: ServeOptions, sock) -> Ended | None:
         raise loader.error
     if loader.state is None:
         return None
-    return Ended(loader.state.stopped(server.drained) if server.drained else None, loader.state.pool.lost)
+    return ended(server, loader.state)
+
+
+def make_server(options: ServeOptions, gate: Gate):
+    """uvicorn's Server for options around gate, with the drain on its first SIGTERM / Ctrl-C
+    (handle_exit). It captures the signals only when run in the main thread."""
+    import uvicorn
+
+    return _make_server(uvicorn.Config(gate, lifespan="off", timeout_graceful_shutdown=max(options.drain_timeout, 5.0),
+                                       log_level="info" if options.verbose else "warning",
+                                       access_log=options.verbose))
+
+
+def ended(server, state: ServerState) -> Ended:
+    """How the server (make_server's, its run() returned) of state ended."""
+    return Ended(state.stopped(server.drained) if server.drained else None, state.pool.lost)
 
 
 class Loader(threading.Thread):
@@ -93,9 +105,14 @@ class Loader(threading.Thread):
     app in the gate. A failure (the model, a --chat-template that does not render) stops the server
     and is raised by run() as one line."""
 
-    def __init__(self, options: ServeOptions, url: str, gate: Gate, server) -> None:
+    def __init__(self, options: ServeOptions, url: str, gate: Gate, server,
+                 engines: Callable[[ServeOptions], list[Engine]] | None = None) -> None:
+        """engines: how to get the engines for options (default: open_engines, the prompt worker
+        started); tests/serving.py passes engines it keeps open across servers."""
         super().__init__(name="specrun-load", daemon=True)
         self.options, self.url, self.gate, self.server = options, url, gate, server
+        self.engines = engines or load_engines
+        self.built: Built | None = None
         self.state: ServerState | None = None
         self.error: BaseException | None = None
 
@@ -107,57 +124,82 @@ class Loader(threading.Thread):
             self.server.should_exit = True
 
     def _load(self) -> None:
-        from specrun.gguf_spec.registry import KNOWN_MODELS
-        from specrun.kernels.chat_template import TemplateError
-
-        from ..runtime.chat import ChatFormat
-        from .app import ServerConfig, create_app
-        from .limits import time_limited
-        from .metrics import Metrics
-        from .slots import SlotPool
-
         opt = self.options
-        auto = opt.params.spec.types == AUTO
-        engines = open_engines(opt.model, opt.params, opt.parallel, start_prefill=True)
-        pool = SlotPool(engines, opt.max_queue)
-        if opt.params.placement is not None:   # a worker lost: fail those requests, keep answering (kernels/rpc.py)
-            from specrun.kernels import rpc
+        built = build(opt, self.engines(opt))
+        self.built, self.state = built, built.state
+        self.server.state = built.state
+        self.gate.app = built.app
+        err_console.print(built.ready_line(self.url), markup=False, soft_wrap=True)
 
-            rpc.on_worker_lost(pool.worker_lost)
+
+def load_engines(opt: ServeOptions) -> list[Engine]:
+    """-np engines over the model, its prompt worker started (open_engines)."""
+    return open_engines(opt.model, opt.params, opt.parallel, start_prefill=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """The server's app around its loaded engines (build)."""
+
+    state: ServerState
+    app: object                         # the FastAPI app (create_app)
+    spec: tuple[str, ...]               # the spec types a request runs by default (auto: resolved)
+    spec_types: tuple[str, ...]         # the spec types a request may name, "none" first
+
+    def ready_line(self, url: str) -> str:
+        """The line `specrun serve` prints once the model is loaded."""
+        n = len(self.state.pool.slots)
+        return (f"specrun serve: {self.state.config.alias} on {url} ({n} slot{'s' * (n > 1)}, ctx {self.state.n_ctx}, "
+                f"spec {','.join(self.spec) or 'none'}, requests may use: {', '.join(self.spec_types)})")
+
+
+def build(opt: ServeOptions, engines: list[Engine]) -> Built:
+    """The slots, the chat format, --spec-type auto's choice, the state and the app for options
+    around engines (open_engines(opt.model, opt.params, opt.parallel)). Takes the engines over: on
+    an error (a --chat-template that does not render) they are closed and the error raised."""
+    from specrun.gguf_spec.registry import KNOWN_MODELS
+    from specrun.kernels.chat_template import TemplateError
+
+    from ..runtime.chat import ChatFormat
+    from .app import ServerConfig, create_app
+    from .limits import time_limited
+    from .metrics import Metrics
+    from .slots import SlotPool
+
+    auto = opt.params.spec.types == AUTO
+    pool = SlotPool(engines, opt.max_queue)
+    if opt.params.placement is not None:   # a worker lost: fail those requests, keep answering (kernels/rpc.py)
+        from specrun.kernels import rpc
+
+        rpc.on_worker_lost(pool.worker_lost)
+    try:
+        model = engines[0].model
+        params = engines[0].params
+        fmt, reason = None, ""
         try:
-            model = engines[0].model
-            params = engines[0].params
-            fmt, reason = None, ""
-            try:
-                fmt = time_limited(lambda: ChatFormat.load(model, opt.chat_template, opt.chat_template_file))
-            except TemplateError as e:
-                if opt.chat_template or opt.chat_template_file:
-                    flag = "--chat-template" if opt.chat_template else "--chat-template-file"
-                    raise TemplateError(f"{flag} {opt.chat_template or opt.chat_template_file}: {e}") from None
-                reason = str(e)
-            spec_types = ["none", *engines[0].spec_types]
-            if auto:
-                params = resolve_auto_spec(engines, params)
-            stem = os.path.splitext(os.path.basename(model.path))[0]
-            config = ServerConfig(alias=opt.alias or (opt.model if opt.model in KNOWN_MODELS else stem),
-                                  sampling=opt.sampling, n_predict=opt.n_predict, spec=params.spec,
-                                  spec_types=tuple(spec_types), max_queue=opt.max_queue, api_key=opt.api_key,
-                                  chat_format=fmt, no_template_reason=reason, max_body=opt.max_body,
-                                  body_timeout=opt.body_timeout, drain_timeout=opt.drain_timeout,
-                                  prefill_assistant=opt.prefill_assistant, slots_endpoint=opt.slots_endpoint,
-                                  slots_debug=opt.slots_debug, model_path=opt.model)
-            state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
-            app = create_app(state)
-        except BaseException:
-            pool.close()
-            raise
-        self.state = state
-        self.server.state = state
-        self.gate.app = app
-        n = opt.parallel
-        err_console.print(f"specrun serve: {config.alias} on {self.url} ({n} slot{'s' * (n > 1)}, ctx {state.n_ctx}, "
-                          f"spec {','.join(params.spec.types) or 'none'}, requests may use: {', '.join(spec_types)})",
-                          markup=False, soft_wrap=True)
+            fmt = time_limited(lambda: ChatFormat.load(model, opt.chat_template, opt.chat_template_file))
+        except TemplateError as e:
+            if opt.chat_template or opt.chat_template_file:
+                flag = "--chat-template" if opt.chat_template else "--chat-template-file"
+                raise TemplateError(f"{flag} {opt.chat_template or opt.chat_template_file}: {e}") from None
+            reason = str(e)
+        spec_types = ["none", *engines[0].spec_types]
+        if auto:
+            params = resolve_auto_spec(engines, params)
+        stem = os.path.splitext(os.path.basename(model.path))[0]
+        config = ServerConfig(alias=opt.alias or (opt.model if opt.model in KNOWN_MODELS else stem),
+                              sampling=opt.sampling, n_predict=opt.n_predict, spec=params.spec,
+                              spec_types=tuple(spec_types), max_queue=opt.max_queue, api_key=opt.api_key,
+                              chat_format=fmt, no_template_reason=reason, max_body=opt.max_body,
+                              body_timeout=opt.body_timeout, drain_timeout=opt.drain_timeout,
+                              prefill_assistant=opt.prefill_assistant, slots_endpoint=opt.slots_endpoint,
+                              slots_debug=opt.slots_debug, model_path=opt.model)
+        state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
+        app = create_app(state)
+    except BaseException:
+        pool.close()
+        raise
+    return Built(state, app, tuple(params.spec.types), tuple(spec_types))
 
 
 def resolve_auto_spec(engines: list[Engine], params: EngineParams) -> EngineParams:
