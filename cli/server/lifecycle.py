@@ -193,7 +193,7 @@ def build(opt: ServeOptions, engines: list[Engine]) -> Built:
                               chat_format=fmt, no_template_reason=reason, max_body=opt.max_body,
                               body_timeout=opt.body_timeout, drain_timeout=opt.drain_timeout,
                               prefill_assistant=opt.prefill_assistant, slots_endpoint=opt.slots_endpoint,
-                              slots_debug=opt.slots_debug, model_path=opt.model)
+                              slots_debug=opt.slots_debug, model_path=opt.model, host=opt.host)
         state = ServerState(config, pool, Metrics(tuple(t for t in spec_types if t != "none")))
         app = create_app(state)
     except BaseException:
