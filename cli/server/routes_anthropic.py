@@ -11,6 +11,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from .errors import ANTHROPIC_PATH
+from .middleware import off_loop_body
 from .schemas import AnthropicMessageOut, InputTokens, MessagesRequest
 from .slots import Outcome
 from .state import Client, ServerState
@@ -22,7 +23,7 @@ _STOP_REASON = {"eos": "end_turn", "word": "stop_sequence", "limit": "max_tokens
 
 
 def anthropic_router(state: ServerState) -> APIRouter:
-    router = APIRouter(tags=["Anthropic"])
+    router = APIRouter(tags=["Anthropic"], route_class=off_loop_body(state.off_loop))
     alias = state.config.alias
 
     @router.post(ANTHROPIC_PATH, responses=sse_doc(AnthropicMessageOut), summary="Anthropic Messages API")

@@ -7,12 +7,12 @@ GET /props (the settings a client reads: context size, slots, defaults, chat tem
 
 from __future__ import annotations
 
-import asyncio
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
 
 from .errors import ApiError
+from .middleware import off_loop_body
 from .schemas import (
     DetokenizeRequest,
     ErrorResponse,
@@ -29,7 +29,7 @@ _PRIVATE = frozenset({"stop", "grammar", "logit_bias"})   # settings /slots show
 
 
 def llama_router(state: ServerState) -> APIRouter:
-    router = APIRouter(tags=["llama-server"])
+    router = APIRouter(tags=["llama-server"], route_class=off_loop_body(state.off_loop))
     cfg = state.config
 
     @router.post("/completion", responses=sse_doc(LlamaCompletion), summary="llama-server completion")
@@ -78,17 +78,21 @@ def llama_router(state: ServerState) -> APIRouter:
             out.append({"id": t, "piece": piece})
         return out
 
-    @router.post("/tokenize", summary="text -> token ids (llama-server's)")
-    async def tokenize(req: TokenizeRequest):
-        return {"tokens": await asyncio.to_thread(tokens, req)}
-
-    @router.post("/detokenize", summary="token ids -> text (llama-server's)")
-    async def detokenize(req: DetokenizeRequest):
+    def text(req: DetokenizeRequest) -> str:
         bad = [t for t in req.tokens if not 0 <= t < model.n_vocab]
         if bad:
             raise ApiError(400, f"tokens: token id {bad[0]} is out of the vocabulary (0..{model.n_vocab - 1})",
                            "invalid_value")
-        return {"content": state.detokenize(req.tokens)}
+        return state.detokenize(req.tokens)
+
+    # both answer off the event loop: a body of millions of ids or pieces takes seconds to make and encode
+    @router.post("/tokenize", summary="text -> token ids (llama-server's)")
+    async def tokenize(req: TokenizeRequest):
+        return await state.respond(lambda: {"tokens": tokens(req)})
+
+    @router.post("/detokenize", summary="token ids -> text (llama-server's)")
+    async def detokenize(req: DetokenizeRequest):
+        return await state.respond(lambda: {"content": text(req)})
 
     def props() -> dict:
         s, sp, fmt = cfg.sampling, cfg.spec, cfg.chat_format

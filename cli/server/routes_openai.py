@@ -9,6 +9,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from .middleware import off_loop_body
 from .schemas import ChatCompletion, ChatRequest, Completion, CompletionRequest, InputTokens
 from .slots import Outcome
 from .state import Client, ServerState
@@ -21,7 +22,7 @@ def oai_id(kind: str) -> str:
 
 
 def openai_router(state: ServerState) -> APIRouter:
-    router = APIRouter(tags=["OpenAI"])
+    router = APIRouter(tags=["OpenAI"], route_class=off_loop_body(state.off_loop))
     alias = state.config.alias
 
     @router.post("/v1/completions", responses=sse_doc(Completion), summary="OpenAI text completion")
@@ -92,6 +93,6 @@ def openai_router(state: ServerState) -> APIRouter:
     @router.post("/apply-template", summary="the prompt a chat request renders to, without running it "
                                             "(llama-server's)")
     async def apply_template(req: ChatRequest):
-        return {"prompt": await state.prepare(lambda: state.chat_text(state.chat_messages(req)))}
+        return await state.respond(lambda: {"prompt": state.chat_text(state.chat_messages(req))})
 
     return router

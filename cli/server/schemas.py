@@ -23,6 +23,8 @@ from pydantic_core import PydanticCustomError
 
 from specrun.kernels.params import IN_ORDER, spelled
 
+from .limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TEXTS
+
 MAX_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed, as -1 is
 INT32_MAX = 2**31 - 1  # llama-server's bound on repeat_last_n
 
@@ -112,7 +114,11 @@ def logit_bias_pairs(v: Any) -> tuple[tuple[int | str, float], ...]:
     """llama-server's logit_bias (server-schema.cpp): an object whose keys are token ids ("15043",
     read as strtol does) or texts, or an array of [token id or text, bias] pairs; a bias is a number
     or false (-inf). Returns (token id or text, bias) pairs in order. What llama-server skips
-    silently (a malformed pair, a bias of true or null, a float id) is a PydanticCustomError here."""
+    silently (a malformed pair, a bias of true or null, a float id) is a PydanticCustomError here,
+    and so is a logit_bias above the server's limits (limits.py: entries, and texts to tokenize)."""
+    if isinstance(v, dict | list) and len(v) > MAX_LOGIT_BIAS:
+        raise PydanticCustomError("invalid_value", f"{len(v)} entries, above this server's limit of "
+                                  f"{MAX_LOGIT_BIAS}; bias fewer tokens")
     if isinstance(v, dict):
         items = [(f"[{json.dumps(k)}]", k, b) for k, b in v.items()]
     elif isinstance(v, list):
@@ -124,7 +130,12 @@ def logit_bias_pairs(v: Any) -> tuple[tuple[int | str, float], ...]:
             items.append((f"[{i}]", pair[0], pair[1]))
     else:
         raise PydanticCustomError("invalid_value", f"logit_bias must be an object or an array: {_BIAS_FORMS}")
-    return tuple((_bias_key(w, k), _bias_value(w, b)) for w, k, b in items)
+    pairs = tuple((_bias_key(w, k), _bias_value(w, b)) for w, k, b in items)
+    n_texts = sum(isinstance(k, str) for k, _ in pairs)
+    if n_texts > MAX_LOGIT_BIAS_TEXTS:
+        raise PydanticCustomError("invalid_value", f"{n_texts} texts to tokenize, above this server's limit of "
+                                  f"{MAX_LOGIT_BIAS_TEXTS}; give token ids (POST /tokenize turns texts into ids)")
+    return pairs
 
 
 def _logit_bias(v: Any) -> Any:

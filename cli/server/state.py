@@ -1,18 +1,26 @@
 """What the endpoints share: the server's settings, its slots and metrics, and the steps from a
-request to a running job (validate, prepare the prompt off the event loop, take a slot)."""
+request to a running job (validate, prepare the prompt off the event loop, take a slot).
+
+Every step whose time grows with the request (parsing and validating the body, tokenizing,
+detokenizing, compiling a grammar or a schema, rendering a large answer) runs in a worker thread,
+PREPARE_THREADS at most at once (limits.py): the event loop only moves bytes, so /health and every
+stream keep answering while a large request is prepared."""
 
 from __future__ import annotations
 
 import asyncio
 import codecs
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+import anyio
 import numpy as np
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.chat_template import TemplateError
@@ -25,7 +33,7 @@ from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
 from ..runtime.chat import ChatFormat
 from .errors import ApiError, ClientGone
-from .limits import time_limited
+from .limits import MAX_GRAMMAR_BYTES, MAX_SCHEMA_BYTES, PREPARE_THREADS, kib, time_limited
 from .metrics import Metrics
 from .schemas import ChatRequest, Speculative
 from .slots import Busy, Drained, Job, Outcome, Run, ShuttingDown, SlotPool
@@ -55,6 +63,8 @@ class ServerConfig:
     slots_endpoint: bool = True               # GET /slots (--no-slots: 501)
     slots_debug: bool = False                 # /slots shows prompts, texts, stop strings and grammars too
     model_path: str = ""                      # /props' model_path: the -m value as typed (a path or a name)
+    host: str = ""                            # --host as given: on loopback without a key, the Host header is
+                                              # checked (middleware.py); "" (not known): it is not
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +99,16 @@ class ServerState:
         self.stopping = False
         self.n_queued_refused = 0
         self.n_refused = 0
+        self.limiter = anyio.CapacityLimiter(PREPARE_THREADS)   # the worker threads preparing requests
         pool.on_outcome = metrics.record
 
     # -- requests -> jobs ----------------------------------------------------------------------
     def sampling(self, req) -> SamplingParams:
         """The request's sampling over the server's (command-line) defaults. A grammar (GBNF,
         json_schema or a JSON response_format) is parsed here with the model's vocabulary, and
-        logit-bias ids checked against it: a 400 naming the field, before the request takes a slot."""
+        logit-bias ids checked against it: a 400 naming the field, before the request takes a slot.
+        A grammar or schema above its size limit (limits.py) is a 400 before any work. Tokenizes
+        and compiles: call it off the event loop."""
         d = self.config.sampling
         seed = d.seed if req.seed is None else (LLAMA_DEFAULT_SEED if req.seed == -1 else req.seed)
         given = {k: getattr(req, k) for k in ("repeat_penalty", "repeat_last_n", "presence_penalty",
@@ -107,7 +120,9 @@ class ServerState:
         if src is not None:
             field, what = src
             try:
-                gbnf = what if isinstance(what, str) else schema_to_gbnf(what, what=f"the {field} schema")
+                gbnf = what if isinstance(what, str) else schema_to_gbnf(self.schema_text(field, what),
+                                                                          what=f"the {field} schema")
+                self.check_grammar_size(field, gbnf, made=not isinstance(what, str))
                 Grammar(self.model, gbnf).close()        # parses it with the vocabulary (token literals)
             except GrammarError as e:
                 raise ApiError(400, f"{field}: {e}", "invalid_value") from None
@@ -121,6 +136,25 @@ class ServerState:
         except SpecrunError as e:
             raise ApiError(400, str(e), "invalid_value") from None
         return s
+
+    @staticmethod
+    def schema_text(field: str, schema: dict) -> str:
+        """A request's JSON schema as compact JSON, within MAX_SCHEMA_BYTES (else a 400)."""
+        text = json.dumps(schema, separators=(",", ":"))
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > MAX_SCHEMA_BYTES:
+            raise ApiError(400, f"{field}: the schema is {kib(size)} as compact JSON, above this server's limit "
+                           f"of {kib(MAX_SCHEMA_BYTES)}; send a smaller schema", "invalid_value")
+        return text
+
+    @staticmethod
+    def check_grammar_size(field: str, gbnf: str, made: bool = False) -> None:
+        """A 400 when a grammar (made: the one a schema turned into) is above MAX_GRAMMAR_BYTES."""
+        size = len(gbnf.encode("utf-8", errors="surrogatepass"))
+        if size > MAX_GRAMMAR_BYTES:
+            what = "the schema makes a grammar of " if made else ""
+            raise ApiError(400, f"{field}: {what}{kib(size)}, above this server's limit of {kib(MAX_GRAMMAR_BYTES)}; "
+                           f"send a smaller {'schema' if made else 'grammar'}", "invalid_value")
 
     def bias_tokens(self, pairs) -> tuple[tuple[int, float], ...]:
         """(token id or text, bias) pairs -> (token id, bias): a text gives its bias to each of its
@@ -247,16 +281,16 @@ class ServerState:
     async def job(self, endpoint: str, req, n_predict: int | None, stop, prompt: Callable[[], list[int]],
                   stop_tokens: frozenset[int] = frozenset(), logprobs: int | None = None,
                   stop_field: str = "stop") -> Job:
-        """Check the request, then prepare its prompt (tokenize, render) in a worker thread, so the
-        event loop keeps answering while a large prompt is tokenized. stop_field: the stop strings'
-        name in the request (Anthropic's stop_sequences), for the 400s."""
+        """Check the request, then its sampling (logit-bias texts, a grammar) and its prompt
+        (tokenize, render) in a worker thread, so the event loop keeps answering meanwhile.
+        stop_field: the stop strings' name in the request (Anthropic's stop_sequences), for the 400s."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if len(stop) > 4:
             raise ApiError(400, f"{stop_field}: at most 4 stop strings (got {len(stop)})", "invalid_value")
         if any(not s for s in stop):
             raise ApiError(400, f"{stop_field}: a stop string is empty", "invalid_value")
-        sampling, spec, n = self.sampling(req), self.spec(req.speculative), self.n_predict(n_predict)
-        tokens = await self.prepare(prompt)
+        n = self.n_predict(n_predict)
+        sampling, spec, tokens = await self.prepare(lambda: (self.sampling(req), self.spec(req.speculative), prompt()))
         return Job(endpoint, np.asarray(tokens, dtype=np.int32), n, sampling, spec, stop, stop_tokens, logprobs,
                    cache_prompt=getattr(req, "cache_prompt", True), stream=bool(getattr(req, "stream", False)),
                    id_slot=-1 if req.id_slot is None else req.id_slot)
@@ -277,14 +311,24 @@ class ServerState:
         """Token ids -> text, special tokens written out (llama-server's /detokenize)."""
         return b"".join(self.model.piece(int(t), special=True) for t in tokens).decode("utf-8", errors="replace")
 
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """fn() in a worker thread, at most PREPARE_THREADS at once (the others wait their turn): the
+        event loop keeps answering meanwhile."""
+        return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+
     async def prepare(self, fn: Callable[[], T]) -> T:
-        """fn() (render a template, tokenize) in a worker thread, counted in the metrics as a request
-        being prepared: the event loop keeps answering meanwhile."""
+        """fn() (render a template, tokenize) off the event loop, counted in the metrics as a request
+        being prepared."""
         self.metrics.preparing(+1)
         try:
-            return await asyncio.to_thread(fn)
+            return await self.off_loop(fn)
         finally:
             self.metrics.preparing(-1)
+
+    async def respond(self, fn: Callable[[], dict]) -> JSONResponse:
+        """The JSON answer fn() makes, made and rendered off the event loop (a large one takes long
+        to encode)."""
+        return await self.prepare(lambda: JSONResponse(fn()))
 
     # -- running -----------------------------------------------------------------------------
     async def start(self, job: Job, client: Client) -> Run:
