@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import click
 
-from .repl import Conversation, chat_loop
+from .repl import chat_loop
 from .runtime.console import handle_errors
 from .runtime.help import SectionedCommand
 from .runtime.options import (
     DEFAULT_CHAT_MODEL,
     chat_options,
-    chat_template_choice,
     console_options,
     model_options,
-    read_system_prompt,
+    run_options,
     sampling_options,
     spec_options,
 )
@@ -30,5 +29,4 @@ from .runtime.options import (
 def chat(quiet, **kw):
     """Chat with a model (line editing, history, /help for the slash commands). Without -m:
     smollm2-135m-instruct, the known model that has a chat template."""
-    tmpl, tmpl_file = chat_template_choice(kw)
-    chat_loop(kw, Conversation(read_system_prompt(kw), None, tmpl, tmpl_file, kw["single_turn"]), quiet)
+    chat_loop(run_options(kw, chat=True, quiet=quiet))

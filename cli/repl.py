@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from specrun.gguf_spec.errors import SpecrunError
@@ -17,9 +16,9 @@ from specrun.kernels.types import LLAMA_DEFAULT_SEED
 
 from .runtime.auto import resolve_auto
 from .runtime.chat import ChatFormat, ChatSession, Turn
-from .runtime.console import SoftInterrupt, err_console, exit_on_interrupt, setup_logging
+from .runtime.console import SoftInterrupt, err_console, exit_on_interrupt
 from .runtime.loading import open_engine
-from .runtime.options import AUTO, chat_model, engine_params, sampling_params
+from .runtime.options import AUTO, RunOptions
 
 HELP = """\
 /help          this list
@@ -92,19 +91,6 @@ class LineReader:
                 continue
             lines.append(line)
             return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class Conversation:
-    """How a conversation starts: the system prompt, a first message to answer before reading any
-    (llama.cpp's -p in conversation mode), the chat template (--chat-template NAME|JINJA|FILE or
-    --chat-template-file), and whether to leave after one answer (-st)."""
-
-    system_prompt: str | None = None
-    first_message: str | None = None
-    chat_template: str | None = None
-    chat_template_file: str | None = None
-    single_turn: bool = False
 
 
 def turn_line(turn: Turn) -> str:
@@ -195,25 +181,26 @@ def _answer(session: ChatSession, text: str, quiet: bool) -> None:
         _say(turn_line(turn), style="dim")
 
 
-def chat_loop(kw: dict, conv: Conversation, quiet: bool) -> None:
-    """The REPL of `specrun chat` and `specrun -cnv`; kw: the command's model/spec/sampling options.
-    Without -m, the registry model that has a chat template. One random seed (printed before the
-    first answer) serves the whole session, so a sampled conversation can be replayed with --seed."""
-    setup_logging(kw["verbose"])
-    sampling = sampling_params(kw)
+def chat_loop(options: RunOptions) -> None:
+    """The REPL of `specrun chat` and `specrun -cnv` (options.chat: how the conversation starts).
+    One random seed (printed before the first answer) serves the whole session, so a sampled
+    conversation can be replayed with --seed."""
+    conv = options.chat
+    assert conv is not None
+    sampling, params = options.sampling, options.params
     seed_line = None                 # said before the first answer, the one place it matters
     if sampling.seed == LLAMA_DEFAULT_SEED and not sampling.greedy:
         sampling = resolve_seed(sampling)
         seed_line = f"sampler seed: {sampling.seed}"
-    params = engine_params(kw)
     first = conv.first_message
     interactive = sys.stdin.isatty() and not (conv.single_turn and first is not None)
-    with open_engine(chat_model(kw), params) as engine:
+    quiet = conv.quiet
+    with open_engine(options.model, params) as engine:
         if params.spec.types == AUTO:
             with exit_on_interrupt():
-                engine.set_spec(resolve_auto(engine, params.spec))
+                engine.set_spec(resolve_auto(engine, params.spec, refresh=options.auto_refresh))
         fmt = ChatFormat.load(engine.model, conv.chat_template, conv.chat_template_file)
-        session = ChatSession(engine, fmt, sampling, kw["n_predict"], conv.system_prompt)
+        session = ChatSession(engine, fmt, sampling, options.n_predict, conv.system_prompt)
         reader = LineReader(interactive)
         if interactive and not quiet:
             _say(f"chatting with {Path(engine.model.path).name}; /help for commands, Ctrl-D or /exit to leave",

@@ -14,7 +14,7 @@ import click
 
 from specrun.kernels.types import LLAMA_DEFAULT_SEED
 
-from .repl import Conversation, chat_loop
+from .repl import chat_loop
 from .runtime.auto import resolve_auto
 from .runtime.console import (
     SoftInterrupt,
@@ -24,27 +24,20 @@ from .runtime.console import (
     exit_on_interrupt,
     handle_errors,
     note,
-    setup_logging,
 )
 from .runtime.help import SectionedCommand
 from .runtime.loading import open_engine
 from .runtime.options import (
     AUTO,
+    RunOptions,
     chat_options,
-    chat_template_choice,
     console_options,
-    engine_params,
     model_options,
-    read_system_prompt,
+    run_options,
     sampling_options,
-    sampling_params,
     spec_options,
 )
-from .runtime.prompts import process_escapes, read_prompt
 from .runtime.text import TextRun
-
-_CHAT_FLAGS = {"system_prompt": "-sys", "system_prompt_file": "-sysf", "single_turn": "-st",
-               "chat_template": "--chat-template", "chat_template_file": "--chat-template-file"}
 
 
 @click.command("run", cls=SectionedCommand)
@@ -70,36 +63,27 @@ _CHAT_FLAGS = {"system_prompt": "-sys", "system_prompt_file": "-sysf", "single_t
 @handle_errors
 def run(prompt, file, escape, reverse_prompt, keep, as_json, conversation, interactive, **kw):
     """Generate text from a prompt (streamed to stdout; statistics on stderr)."""
-    if interactive:
-        # llama-cli's -i takes turns at the terminal; specrun's turns are conversation mode's
-        if conversation is False:
-            raise click.UsageError("-i and -no-cnv do not go together: specrun's interactive mode is conversation "
-                                   "mode; drop -no-cnv to chat, or -i to generate once")
-        note("-i: interactive mode is conversation mode (-cnv) here: each line is a message in the chat template")
-        conversation = True
-    chat_flags = [flag for key, flag in _CHAT_FLAGS.items() if kw.get(key)]
-    if keep is not None:
-        note(f"--keep {keep}: no effect; specrun does not shift the context: run stops at a full context, and "
-             "chat drops whole turns (the system prompt stays)")
-    if conversation or (conversation is None and chat_flags):
-        return _conversation(prompt, file, escape, reverse_prompt, as_json, kw)
-    if chat_flags:
-        note(f"{', '.join(chat_flags)}: ignored without conversation mode (-no-cnv)")
-    setup_logging(kw["verbose"])
-    text = read_prompt(prompt, file, escape=escape)
-    stops = tuple(process_escapes(r) if escape else r for r in reverse_prompt)
-    sampling = sampling_params(kw)
-    params = engine_params(kw)
-    with open_engine(kw["model"], params) as engine:
-        prompt_tokens = engine.tokenize(text)
+    options = run_options(kw, prompt=prompt, file=file, escape=escape, reverse_prompt=reverse_prompt, keep=keep,
+                          as_json=as_json, conversation=conversation, interactive=interactive)
+    if options.chat is not None:
+        chat_loop(options)
+    else:
+        complete(options)
+
+
+def complete(options: RunOptions) -> None:
+    """A raw completion of options.prompt, streamed to stdout; the statistics on stderr."""
+    params, sampling, as_json = options.params, options.sampling, options.as_json
+    with open_engine(options.model, params) as engine:
+        prompt_tokens = engine.tokenize(options.prompt)
         if params.spec.types == AUTO:
             with exit_on_interrupt():
-                engine.set_spec(resolve_auto(engine, params.spec, prompt_tokens))
+                engine.set_spec(resolve_auto(engine, params.spec, prompt_tokens, refresh=options.auto_refresh))
         with SoftInterrupt() as intr:
-            gen = engine.generate(prompt_tokens, kw["n_predict"], sampling, cancel=lambda: intr.hit > 0)
+            gen = engine.generate(prompt_tokens, options.n_predict, sampling, cancel=lambda: intr.hit > 0)
             if sampling.seed == LLAMA_DEFAULT_SEED and not sampling.greedy and not as_json:
                 err_console.print(f"sampler seed: {gen.stats.seed}", style="dim", markup=False)
-            run = TextRun(gen, engine.model, stops=stops)
+            run = TextRun(gen, engine.model, stops=options.stops)
             out = _Stdout(enabled=not as_json)
             try:
                 for piece in run:
@@ -144,20 +128,3 @@ class _Stdout:
             sys.stdout.flush()
         except BrokenPipeError:
             self.broken = True
-
-
-def _conversation(prompt, file, escape, reverse_prompt, as_json, kw) -> None:
-    """-cnv: llama.cpp's -p is the first message (with -sys, or -st); without them it stays the
-    system prompt, specrun's earlier meaning."""
-    if as_json:
-        raise click.UsageError("--json and -cnv/--conversation do not go together")
-    if reverse_prompt:
-        note("-r: not applied in conversation mode; an answer ends at the chat template's end of turn")
-    text = read_prompt(prompt, file, escape=escape) if prompt is not None or file is not None else None
-    system, first = read_system_prompt(kw), None
-    if system is not None or kw["single_turn"]:
-        first = text
-    else:
-        system = text
-    tmpl, tmpl_file = chat_template_choice(kw)
-    chat_loop(kw, Conversation(system, first, tmpl, tmpl_file, kw["single_turn"]), quiet=False)

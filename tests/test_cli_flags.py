@@ -252,6 +252,28 @@ def test_md_with_a_type_that_does_not_use_it_says_so(tiny):
 
 # ---- conversations ------------------------------------------------------------------------------
 
+def test_run_and_chat_receive_their_options_checked_once(monkeypatch):
+    """click's values reach run, chat and the REPL as RunOptions (built before any model loads),
+    --spec-auto-refresh among them."""
+    from specrun.cli import chat_cmd, run_cmd
+
+    seen = []
+    for module, name in ((run_cmd, "complete"), (run_cmd, "chat_loop"), (chat_cmd, "chat_loop")):
+        monkeypatch.setattr(module, name, seen.append)
+    assert invoke("-p", "hi\\n", "-n", "3", "--temp", "0", "-r", "a\\tb", "--spec-auto-refresh").exit_code == 0
+    assert invoke("chat", "-sys", "Be brief.", "-q", "--spec-type", "ngram-simple", input="").exit_code == 0
+    assert invoke("-m", DEFAULT_CHAT_MODEL, "-cnv", "-sys", "S", "-p", "Hi", "-st", input="").exit_code == 0
+    raw, chat, cnv = seen
+    assert (raw.model, raw.prompt, raw.stops, raw.n_predict, raw.auto_refresh, raw.chat) == (
+        DEFAULT_MODEL, "hi\n", ("a\tb",), 3, True, None)
+    assert raw.sampling.greedy and raw.params.spec.types == ("infer",)
+    assert (chat.model, chat.auto_refresh, chat.prompt, chat.params.spec.types) == (
+        DEFAULT_CHAT_MODEL, False, None, ("ngram-simple",))
+    assert (chat.chat.system_prompt, chat.chat.first_message, chat.chat.quiet) == ("Be brief.", None, True)
+    assert (cnv.chat.system_prompt, cnv.chat.first_message, cnv.chat.single_turn, cnv.chat.quiet) == (
+        "S", "Hi", True, False)
+
+
 def test_the_chat_model_has_a_chat_template_and_the_default_model_has_none():
     assert load_spec(resolve_model(DEFAULT_CHAT_MODEL)).has_chat_template
     assert not load_spec(resolve_model(DEFAULT_MODEL)).has_chat_template

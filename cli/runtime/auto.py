@@ -15,7 +15,7 @@ ngram-mod, ngram-cache), probed on the same prompt.
 The machine's costs (the verify-cost curve, T1, each drafter's c0 and c1) are cached in
 auto_cache_dir(), keyed by the model files, the machine, the threads and the settings
 (kernels.calibrate.CachedMeasure). A second run only probes the prompt's acceptance;
---spec-auto-refresh measures again.
+--spec-auto-refresh (RunOptions.auto_refresh, passed as refresh) measures again.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     return out + [replace(base, types=(t,), n_max=k) for t in models for k in AUTO_N_MAX if k <= engine.n_max_cap]
 
 
-# --spec-auto-refresh: set by the option's callback (cli.runtime.options) for this command
+# --spec-auto-refresh's value for a caller that passes no refresh: run and chat pass RunOptions.auto_refresh;
+# serve's loader passes none yet, so the option's callback (cli.runtime.options) also sets this default
 REFRESH = False
 _LIVE = measure   # kernels.calibrate's own, the one that is cached by default
 REFRESH_HINT = "--spec-auto-refresh measures again"
@@ -123,7 +124,7 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
     spec, reason = choice.spec, choice.reason
     verify = choice.costs.verify if choice.costs is not None else None
     if verify is not None and len(verify.rows) >= 3 and min(verify.s) > 0:
-        engine.seed_pass_cost(verify.rows, verify.s)   # the adaptive length starts from this curve
+        engine.seed_pass_cost(verify)   # the adaptive length starts from this curve
     # an n-gram setting chosen on the request's own prompt runs as it was calibrated (the probes saw
     # this text pay); on the built-in prompt, ngram-simple goes adaptive (the setting that won, or
     # n2 m16 when another n-gram type won there: the built-in text says little of the requests').

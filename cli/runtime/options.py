@@ -1,6 +1,6 @@
 """Option bundles shared by run / chat / serve / bench, named as llama.cpp's common/arg.cpp, and
 the only place where their values become the kernels' parameters (engine_params, spec_params,
-sampling_params).
+sampling_params) and, for run and chat, RunOptions (run_options).
 
 A llama.cpp flag that cannot apply here is still accepted: engine_params() says in one line on
 stderr why, and what happens instead (e.g. `-ngl 99`: every layer runs on the CPU). One that would
@@ -15,7 +15,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import click
 from click.core import ParameterSource
@@ -38,7 +38,8 @@ from specrun.kernels.params import (
 )
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
-from .console import err_console, note
+from .console import err_console, note, setup_logging
+from .prompts import process_escapes, read_prompt
 
 AUTO = ("auto",)     # what --spec-type auto parses to; resolved after loading (runtime.auto)
 INFER = ("infer",)   # no --spec-type: loading.prepare() infers it from -md's file (llama.cpp's rule), else none
@@ -251,9 +252,12 @@ def ngram_family_params(kw: dict) -> dict:
 
 
 def _auto_refresh(ctx, param, value):
+    """--spec-auto-refresh reaches run and chat as RunOptions.auto_refresh; serve, which does not
+    pass it to resolve_auto yet, still reads it from runtime.auto's module default."""
     from .auto import set_refresh  # the calibration's module, loaded only when a command runs
 
     set_refresh(value)
+    return value
 
 
 def spec_options(f):
@@ -285,7 +289,7 @@ def spec_options(f):
     @ngram_family_options
     @click.option("--spec-verify", "verify", type=click.Choice(["auto", "match", "rejection"]), default="auto",
                   show_default=True, help="rejection = speculative sampling when the drafter has a distribution")
-    @click.option("--spec-auto-refresh", "auto_refresh", is_flag=True, expose_value=False, callback=_auto_refresh,
+    @click.option("--spec-auto-refresh", "auto_refresh", is_flag=True, callback=_auto_refresh,
                   help="--spec-type auto: measure this machine's costs again (they are cached per model file, "
                        "machine, threads and settings) and overwrite the cached ones")
     @click.option("--spec-draft-adaptive", "adaptive", is_flag=True,
@@ -443,6 +447,35 @@ def chat_options(f):
         return f(*a, **k)
 
     return wrapper
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a conversation starts: `specrun chat`, and run's conversation mode."""
+
+    system_prompt: str | None           # -sys TEXT, or -sysf FILE's text
+    first_message: str | None           # answered before any line is read (-p/-f in conversation mode)
+    chat_template: str | None           # --chat-template NAME|JINJA|FILE (None: the model's own)
+    chat_template_file: str | None      # --chat-template-file FILE (at most one of the two)
+    single_turn: bool                   # -st: leave after the first answer
+    quiet: bool                         # chat -q: no statistics line after each answer
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """The command line of `specrun run` and `specrun chat`, checked: built once (run_cmd.run_options)
+    before any model loads; run, chat and the REPL read nothing else."""
+
+    model: str                          # -m: a registry name or a GGUF path (a conversation without -m: the chat model)
+    params: EngineParams                # model and --spec-* options; --spec-type auto is resolved after loading
+    sampling: SamplingParams            # the sampling options, penalties, bias and grammar checked
+    n_predict: int                      # -n: -1 and -2 run to end of generation or a full context
+    auto_refresh: bool                  # --spec-auto-refresh: auto measures this machine's costs again
+    verbose: bool                       # -v: llama.cpp's and specrun's logs on stderr
+    prompt: str | None                  # a raw completion's text (-p, -f or stdin, escapes processed)
+    stops: tuple[str, ...]              # -r: reverse prompts, escapes processed
+    as_json: bool                       # --json: one JSON object instead of the streamed text
+    chat: ChatOptions | None            # conversation mode's settings (None: a raw completion)
 
 
 def given(name: str) -> bool:
@@ -681,3 +714,62 @@ def sampling_params(kw: dict) -> SamplingParams:
     check_controls(s, {f: "--" + f.replace("_", "-") for f in ("temp", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
                                                              "presence_penalty", "frequency_penalty", "logit_bias")})
     return replace(s, grammar=grammar_of(kw))
+
+
+_CHAT_FLAGS = {"system_prompt": "-sys", "system_prompt_file": "-sysf", "single_turn": "-st",
+               "chat_template": "--chat-template", "chat_template_file": "--chat-template-file"}
+
+
+def run_options(kw: dict, *, prompt: str | None = None, file: str | None = None, escape: bool = True,
+                reverse_prompt: tuple[str, ...] = (), keep: int | None = None, as_json: bool = False,
+                conversation: bool | None = None, interactive: bool = False, chat: bool = False,
+                quiet: bool = False) -> RunOptions:
+    """The composition root of run and chat: click's values (kw: the shared option bundles) checked
+    once and made RunOptions, before any model loads. Each note on how a flag was taken is said
+    here, in the order the flags are read. chat: `specrun chat` (a conversation, no prompt)."""
+    setup_logging(kw["verbose"])
+    if chat:
+        tmpl, tmpl_file = chat_template_choice(kw)
+        return _options(kw, model=chat_model(kw), prompt=None, stops=(), as_json=False,
+                        chat=ChatOptions(read_system_prompt(kw), None, tmpl, tmpl_file, kw["single_turn"], quiet))
+    if interactive:
+        # llama-cli's -i takes turns at the terminal; specrun's turns are conversation mode's
+        if conversation is False:
+            raise click.UsageError("-i and -no-cnv do not go together: specrun's interactive mode is conversation "
+                                   "mode; drop -no-cnv to chat, or -i to generate once")
+        note("-i: interactive mode is conversation mode (-cnv) here: each line is a message in the chat template")
+        conversation = True
+    chat_flags = [flag for key, flag in _CHAT_FLAGS.items() if kw.get(key)]
+    if keep is not None:
+        note(f"--keep {keep}: no effect; specrun does not shift the context: run stops at a full context, and "
+             "chat drops whole turns (the system prompt stays)")
+    if conversation or (conversation is None and chat_flags):
+        if as_json:
+            raise click.UsageError("--json and -cnv/--conversation do not go together")
+        if reverse_prompt:
+            note("-r: not applied in conversation mode; an answer ends at the chat template's end of turn")
+        # -cnv: llama.cpp's -p is the first message (with -sys, or -st); without them it stays the
+        # system prompt, specrun's earlier meaning
+        text = read_prompt(prompt, file, escape=escape) if prompt is not None or file is not None else None
+        system, first = read_system_prompt(kw), None
+        if system is not None or kw["single_turn"]:
+            first = text
+        else:
+            system = text
+        tmpl, tmpl_file = chat_template_choice(kw)
+        return _options(kw, model=chat_model(kw), prompt=None, stops=(), as_json=False,
+                        chat=ChatOptions(system, first, tmpl, tmpl_file, kw["single_turn"], quiet=False))
+    if chat_flags:
+        note(f"{', '.join(chat_flags)}: ignored without conversation mode (-no-cnv)")
+    text = read_prompt(prompt, file, escape=escape)
+    stops = tuple(process_escapes(r) if escape else r for r in reverse_prompt)
+    return _options(kw, model=kw["model"], prompt=text, stops=stops, as_json=as_json, chat=None)
+
+
+def _options(kw: dict, *, model: str, prompt: str | None, stops: tuple[str, ...], as_json: bool,
+             chat: ChatOptions | None) -> RunOptions:
+    """The kernels' parameters (runtime.options: the one place that builds them), sampling first."""
+    sampling = sampling_params(kw)
+    return RunOptions(model=model, params=engine_params(kw), sampling=sampling, n_predict=kw["n_predict"],
+                      auto_refresh=kw["auto_refresh"], verbose=kw["verbose"], prompt=prompt, stops=stops,
+                      as_json=as_json, chat=chat)
