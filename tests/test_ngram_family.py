@@ -600,7 +600,7 @@ def test_cli_ngram_map_k_prints_the_text_of_none(smollm_path):
 
 def test_flags_reach_spec_params(monkeypatch, tmp_path):
     """run's flags -> SpecParams (stopped before loading the model)."""
-    import specrun.cli.runtime.options as run_cmd   # run_options, which builds run's EngineParams
+    import specrun.cli.runtime.options as run_cmd  # run_options, which builds run's EngineParams
 
     seen = []
     real = run_cmd.engine_params
