@@ -33,7 +33,7 @@ from typing import TypeVar
 from specrun.kernels.chat_template import TemplateError
 
 MAX_GRAMMAR_BYTES = 512 << 10
-MAX_SCHEMA_BYTES = 256 << 10
+MAX_SCHEMA_BYTES = 512 << 10
 MAX_LOGIT_BIAS = 1 << 18
 MAX_LOGIT_BIAS_TEXTS = 4096
 PREPARE_THREADS = 2

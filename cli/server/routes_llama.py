@@ -68,15 +68,14 @@ def llama_router(state: ServerState) -> APIRouter:
                                       parse_special=req.parse_special).tolist()
         if not req.with_pieces:
             return ids
-        out = []
-        for t in ids:
+        pieces: dict[int, str | list[int]] = {}   # each distinct id asked of llama.cpp once
+        for t in set(ids):
             b = model.piece(t, special=True)
             try:
-                piece: str | list[int] = b.decode("utf-8")
+                pieces[t] = b.decode("utf-8")
             except UnicodeDecodeError:
-                piece = list(b)
-            out.append({"id": t, "piece": piece})
-        return out
+                pieces[t] = list(b)
+        return [{"id": t, "piece": pieces[t]} for t in ids]
 
     def text(req: DetokenizeRequest) -> str:
         bad = [t for t in req.tokens if not 0 <= t < model.n_vocab]

@@ -308,8 +308,11 @@ class ServerState:
                                 "p_min": sp.p_min}}
 
     def detokenize(self, tokens) -> str:
-        """Token ids -> text, special tokens written out (llama-server's /detokenize)."""
-        return b"".join(self.model.piece(int(t), special=True) for t in tokens).decode("utf-8", errors="replace")
+        """Token ids -> text, special tokens written out (llama-server's /detokenize). Each distinct
+        id is asked of llama.cpp once."""
+        ids = [int(t) for t in tokens]
+        pieces = {t: self.model.piece(t, special=True) for t in set(ids)}
+        return b"".join(map(pieces.__getitem__, ids)).decode("utf-8", errors="replace")
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         """fn() in a worker thread, at most PREPARE_THREADS at once (the others wait their turn): the
