@@ -440,6 +440,9 @@ class ContextParams:
     type_k: str = "f16"         # the KV cache and flash attention (on | off | auto) of a context that is neither
     type_v: str = "f16"         # exact (Q8_0 K, F16 V, on) nor kv_f16 (F16, on): llama.cpp's -ctk, -ctv, -fa
     flash_attn: str = "auto"
+    n_seq_max: int = 1          # sequences, seq ids 0..n_seq_max-1 (kernels/batch.py: one per slot)
+    kv_unified: bool = False    # one KV buffer for every sequence; False (llama.cpp's default): a stream per
+                                # sequence, each of n_ctx / n_seq_max cells, laid out as a one-sequence cache
 
 
 def _ggml_type(name: str) -> int:
@@ -482,7 +485,8 @@ class Context:
         cp.n_ctx = params.n_ctx
         cp.n_batch = params.n_batch
         cp.n_ubatch = min(params.n_ubatch, params.n_batch)
-        cp.n_seq_max = 1
+        cp.n_seq_max = params.n_seq_max
+        cp.kv_unified = params.kv_unified
         cp.n_threads = n_threads
         cp.n_threads_batch = params.n_threads_batch or n_threads
         cp.n_rs_seq = params.n_rs_seq
@@ -539,6 +543,7 @@ class Context:
             b.seq_id[i][0] = 0
         self._tok, self._pos, self._out = b.token, b.pos, b.logits   # decode() writes them row by row
         self.n_outputs = 0
+        self._seq_outputs = 0   # output rows of the last decode_seqs()
         self.n_rows = 0
         self._bext = None  # extended batch (MTP rows carrying hidden states), made on first use
         # decode_with_hidden's rows: the batch's embd pointer, and the row width llama.cpp reads
@@ -605,6 +610,51 @@ class Context:
                              f"(ctx {self.n_ctx})" + ("; the KV cache is full, raise -c" if rc == 1 else ""))
         self.n_rows = n
         self.n_outputs = n - first
+
+    def decode_seqs(self, tokens, pos, seqs, outputs) -> None:
+        """One llama_decode of rows from several sequences: row j is token tokens[j] at position
+        pos[j] of sequence seqs[j], with logits where outputs[j]. outputs_rows() then holds the
+        output rows in batch order. requires: n <= n_batch; seqs[j] < n_seq_max."""
+        n = len(tokens)
+        if n > self.n_batch:
+            raise LlamaError(f"batch of {n} tokens exceeds n_batch {self.n_batch}")
+        b, n_out = self._batch, 0
+        try:
+            for j in range(n):
+                b.token[j], b.pos[j], b.seq_id[j][0] = tokens[j], pos[j], seqs[j]
+                b.logits[j] = bool(outputs[j])
+                n_out += bool(outputs[j])
+            b.n_tokens = n
+            rc = L.llama_decode(self.ptr, b)
+        finally:
+            for j in range(n):   # decode() leaves seq ids alone: every row is seq 0's
+                b.seq_id[j][0] = 0
+        if rc != 0:
+            raise LlamaError(f"llama_decode returned {rc} for {n} rows of {len(set(seqs))} sequences"
+                             + ("; the KV cache is full, raise -c" if rc == 1 else ""))
+        self.n_rows, self.n_outputs = n, 0     # logits_rows() reads a decode()'s trailing outputs only
+        self._seq_outputs = n_out
+
+    def outputs_rows(self) -> np.ndarray:
+        """float32 [n_outputs, n_vocab]: the output rows of the last decode_seqs(), in batch order.
+        A view into llama.cpp's buffer: valid until the next decode."""
+        p = L.llama_get_logits(self.ptr)
+        if not p or not self._seq_outputs:
+            raise LlamaError("the last decode produced no logits")
+        return _view(ctypes.cast(p, ctypes.c_void_p).value, self._seq_outputs, self.n_vocab)
+
+    def seq_rm_of(self, seq: int, p0: int, p1: int = -1) -> bool:
+        """Drop positions [p0, p1) of sequence seq (p1 = -1: to the end; p0 = -1: from the start)."""
+        return bool(L.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Sequence dst becomes a copy of sequence src (all of it: between per-sequence streams
+        llama.cpp copies whole streams, at the next decode)."""
+        L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        """The last position sequence seq holds; -1: none."""
+        return int(L.llama_memory_seq_pos_max(self.mem, seq))
 
     def logits_rows(self) -> np.ndarray:
         """float32 [n_outputs, n_vocab]: the last decode's output rows in batch order.
