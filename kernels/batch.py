@@ -153,7 +153,7 @@ class BatchEngine:
         except BaseException:
             self.close()
             raise
-        self.n_ctx_seq = params.n_ctx_seq
+        self.n_ctx_seq = self.ctx.n_ctx // params.n_seq   # llama.cpp rounds n_ctx up (to 256)
         self.n_max_cap = min(MAX_EXACT_BATCH - 1, self.ctx.n_batch - 1)
         self.target = TargetView(self.model, self.ctx, self.n_ctx_seq, self.ctx.n_batch, params.n_threads, True)
         self.seqs = [_Seq(i) for i in range(params.n_seq)]
@@ -259,6 +259,7 @@ class BatchEngine:
                     if c > best and c >= self.params.share_min:
                         src, best = o, c
             self._trim(s, keep)
+            h.stats.n_prompt = len(prompt) - keep
             s.wait = (src.sid, best) if src is not None else None
 
     def _trim(self, s: _Seq, keep: int) -> None:
@@ -381,7 +382,6 @@ class BatchEngine:
             return
         h = s.h
         n_past = len(s.prompt)
-        h.stats.n_prompt = h.stats.n_prompt or n_past   # unless a copied prefix said less
         tok = sample(rows[-1], s.sampling, n_past)
         s.t_gen0 = time.perf_counter()
         h.stats.t_prompt_s = s.t_gen0 - s.t0

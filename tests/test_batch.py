@@ -1,0 +1,285 @@
+"""The batched engine (kernels/batch.py): each request's text equals the same request decoded alone
+by the Engine with --spec-type none, whatever else shares its decodes: requests of different
+lengths and spec types joining and leaving at different steps, cancellation, a prompt prefix
+copied from another sequence. And the fact underneath: a sequence's logits rows are bit-identical
+beside other sequences' rows when each sequence has its own KV stream."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from specrun.gguf_spec.errors import SpecrunError
+from specrun.kernels.batch import BatchEngine, BatchParams, Request, draft_budget
+from specrun.kernels.engine import Engine
+from specrun.kernels.llama import Context, ContextParams, Model
+from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.types import SamplingParams
+from tests.drafters import OracleDraft, ShiftedDraft
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temp=0.0)
+SEEDED = SamplingParams(temp=0.9, top_k=40, seed=1234)
+MATCH = SpecParams(types=(), verify="match")
+TEXTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+         "def fib(n):\n    return",
+         "Once upon a time, in a land far away, there lived a",
+         "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+         "Hello"]
+N_PREDICT = [20, 12, 16, 24, 8]
+
+
+class Refs:
+    """Plain decoding of each prompt, alone (Engine, spec none, no fast prompt path), cached."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.engine = Engine(model.path, EngineParams(n_ctx=512, fast_prefill=False, spec=SpecParams(types=())),
+                             model=model)
+        self._done: dict[tuple, list[int]] = {}
+
+    def __call__(self, prompt, n: int, sampling: SamplingParams) -> list[int]:
+        key = (tuple(int(t) for t in prompt), n, sampling)
+        if key not in self._done:
+            self.engine.reset()
+            self._done[key] = [t for chunk in self.engine.generate(prompt, n, sampling) for t in chunk]
+        return self._done[key]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm_path):
+    with Model(smollm_path) as m:
+        refs = Refs(m)
+        yield m, refs
+        refs.engine.close()
+
+
+def _requests(model: Model, refs: Refs, sampling: SamplingParams, kinds: list[str]) -> list[Request]:
+    """One request per kind: 'none', 'ngram-simple', 'right' (always accepted), 'wrong' (never)."""
+    out = []
+    for i, kind in enumerate(kinds):
+        prompt = model.tokenize(TEXTS[i % len(TEXTS)])
+        n = N_PREDICT[i % len(N_PREDICT)]
+        spec = replace(MATCH, types=("ngram-simple",) if kind == "ngram-simple" else ())
+        drafters = None
+        if kind in ("right", "wrong"):
+            oracle = OracleDraft(refs(prompt, n, sampling), len(prompt))
+            drafters = [oracle if kind == "right" else ShiftedDraft(oracle, model.n_vocab)]
+            spec = replace(spec, n_max=4)
+        out.append(Request(prompt, n, sampling, spec, drafters))
+    return out
+
+
+def _staggered(b: BatchEngine, reqs: list[Request], joins: list[int]):
+    """Submit request i at step joins[i]; step until all are done. Returns the handles."""
+    hs: list = [None] * len(reqs)
+    step = 0
+    while any(h is None or not h.done for h in hs):
+        for i, at in enumerate(joins):
+            if at == step:
+                hs[i] = b.submit(reqs[i])
+        b.step()
+        step += 1
+        assert step < 500
+    return hs
+
+
+def _check(hs, reqs, refs, kinds) -> None:
+    for h, r, kind in zip(hs, reqs, kinds, strict=True):
+        assert h.tokens == refs(r.prompt, r.n_predict, r.sampling), (kind, h.stats)
+        st = h.stats
+        if kind == "right":     # the always-right drafter had drafts accepted, the wrong one none
+            assert st.n_accepted > 0 and st.n_drafted > 0
+        if kind == "wrong":
+            assert st.n_accepted == 0 and st.n_drafted > 0
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_mixed_requests_each_equal_alone(smol, sampling):
+    """Four requests of different lengths and spec types in three sequences: the fourth joins when
+    the first to finish leaves; each text is the request's alone, with spec none."""
+    model, refs = smol
+    kinds = ["none", "right", "ngram-simple", "wrong"]
+    reqs = _requests(model, refs, sampling, kinds)
+    with BatchEngine(model.path, BatchParams(n_seq=3, n_ctx_seq=256), model=model) as b:
+        hs = _staggered(b, reqs, [0, 0, 2, 3])
+        assert max(h.seq for h in hs) <= 2
+    _check(hs, reqs, refs, kinds)
+
+
+def test_draft_model_request_beside_plain_ones(smol, smollm_path):
+    """draft-simple with -md (the target's own file: a draft that is always right at temperature 0)
+    beside a plain and an n-gram request."""
+    model, refs = smol
+    reqs = _requests(model, refs, GREEDY, ["none", "none", "ngram-simple"])
+    reqs[1] = replace(reqs[1], spec=replace(MATCH, types=("draft-simple",), n_max=3))
+    with BatchEngine(model.path, BatchParams(n_seq=3, n_ctx_seq=256, draft_model=str(smollm_path)),
+                     model=model) as b:
+        hs = _staggered(b, reqs, [1, 0, 0])
+    _check(hs, reqs, refs, ["none", "model", "ngram-simple"])
+    assert hs[1].stats.n_accepted > 0
+
+
+def test_cancel_ends_one_request_and_frees_its_sequence(smol):
+    """A request cancelled mid-way comes back done ("interrupted") with what it had; a queued request
+    takes its sequence; the others' texts are unchanged."""
+    model, refs = smol
+    reqs = _requests(model, refs, GREEDY, ["none", "ngram-simple", "none"])
+    with BatchEngine(model.path, BatchParams(n_seq=2, n_ctx_seq=256), model=model) as b:
+        h0, h1, h2 = (b.submit(r) for r in reqs)
+        for _ in range(4):
+            b.step()
+        assert h2.seq == -1 and not h0.done
+        n0 = len(h0.tokens)
+        h0.cancel()
+        done = b.step()
+        assert (h0, []) in done and h0.done and h0.stats.stop == "interrupted"
+        assert h2.seq == h0.seq
+        while not (h1.done and h2.done):
+            b.step()
+    assert h0.tokens == refs(reqs[0].prompt, reqs[0].n_predict, GREEDY)[:n0]
+    _check([h1, h2], reqs[1:], refs, ["ngram-simple", "none"])
+
+
+def test_cancel_flag_of_the_request(smol):
+    model, _ = smol
+    flag = []
+    req = Request(model.tokenize(TEXTS[0]), 50, GREEDY, cancel=lambda: bool(flag))
+    with BatchEngine(model.path, BatchParams(n_seq=1, n_ctx_seq=256), model=model) as b:
+        h = b.submit(req)
+        b.step()
+        b.step()
+        flag.append(1)
+        b.step()
+    assert h.done and h.stats.stop == "interrupted" and 1 <= len(h.tokens) < 50
+
+
+def _two_prompts(model: Model) -> list[np.ndarray]:
+    """Two prompts with a common head of 16+ tokens (a system prompt)."""
+    system = "Here is a short story about a cat and a dog who lived in a small house by the river. "
+    return [model.tokenize(system + q) for q in ("The cat", "One morning, the dog")]
+
+
+def test_shared_prefix_is_copied_and_gives_the_same_text(smol):
+    """Two requests with a common system prompt submitted together: the second waits for the first
+    to evaluate the prefix, copies it (seq_cp) and evaluates only its own tail; both texts equal the
+    requests alone. A third, later, reuses its own sequence's KV."""
+    model, refs = smol
+    prompts = _two_prompts(model)
+    common = int(np.flatnonzero(prompts[0][:len(prompts[1])] != prompts[1][:len(prompts[0])])[0])
+    assert common >= 16
+    reqs = [Request(p, 12, GREEDY, MATCH) for p in prompts]
+    with BatchEngine(model.path, BatchParams(n_seq=2, n_ctx_seq=256), model=model) as b:
+        hs = b.run(reqs)
+        assert hs[0].stats.n_prompt == len(prompts[0])
+        assert hs[1].stats.n_prompt == len(prompts[1]) - common     # the prefix came from the other sequence
+        again = Request(np.concatenate([prompts[1], hs[1].tokens, model.tokenize(" Then", add_special=False)]),
+                        10, GREEDY, MATCH)
+        h3 = b.run([again])[0]
+        held = len(prompts[1]) + len(hs[1].tokens) - 1      # its sequence's KV: all but the last token emitted
+        assert h3.seq == hs[1].seq and h3.stats.n_prompt == len(again.prompt) - held
+    for h, r in zip([*hs, h3], [*reqs, again], strict=True):
+        assert h.tokens == refs(r.prompt, r.n_predict, GREEDY)
+
+
+def test_shared_prefix_equals_evaluating_it_per_sequence(smol):
+    """The same two requests with copying off (share_min above any prompt): the same texts."""
+    model, _ = smol
+    prompts = _two_prompts(model)
+    texts = []
+    for share_min in (8, 10_000):
+        with BatchEngine(model.path, BatchParams(n_seq=2, n_ctx_seq=256, share_min=share_min), model=model) as b:
+            hs = b.run([Request(p, 12, SEEDED, MATCH) for p in prompts])
+        texts.append([h.tokens for h in hs])
+        assert (hs[1].stats.n_prompt < len(prompts[1])) == (share_min == 8)
+    assert texts[0] == texts[1]
+
+
+def test_bad_requests_are_refused_before_any_work(smol):
+    model, _ = smol
+    with BatchEngine(model.path, BatchParams(n_seq=1, n_ctx_seq=256), model=model) as b:
+        with pytest.raises(SpecrunError, match="empty"):
+            b.submit(Request([], 4))
+        with pytest.raises(SpecrunError, match=r"\(300 tokens, ctx 256\)"):
+            b.submit(Request([1] * 300, 4))
+        with pytest.raises(SpecrunError, match="grammars"):
+            b.submit(Request([1, 2], 4, replace(GREEDY, repeat_penalty=1.1)))
+        with pytest.raises(SpecrunError, match="hidden rows"):
+            b.submit(Request([1, 2], 4, GREEDY, SpecParams(types=("draft-mtp",))))
+        assert not b.busy()
+        h = b.run([Request([1, 2, 3], 0, GREEDY)])[0]
+        assert h.done and h.tokens == [] and h.stats.stop == "n_predict"
+
+
+def test_draft_budget_shrinks_as_the_batch_grows():
+    assert [draft_budget(n, 16) for n in (1, 2, 4, 8, 16, 17, 32)] == [16, 8, 4, 2, 1, 0, 0]
+
+
+def _rows_alone_and_beside(model: Model, unified: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence 0's logits for a prompt then 6 one-token steps: alone, and in a 3-sequence context
+    beside other sequences' rows (one of which leaves, its cells then taken by a new one)."""
+    prompt = model.tokenize(TEXTS[0])
+    steps = model.tokenize(" and then the dog woke up", add_special=False)[:6]
+    with Context(model, ContextParams(n_ctx=256, n_batch=256)) as c:
+        c.decode(prompt, 0, "last")
+        alone = [c.logits_rows()[-1].copy()]
+        for i, t in enumerate(steps):
+            c.decode([t], len(prompt) + i, "last")
+            alone.append(c.logits_rows()[-1].copy())
+    with Context(model, ContextParams(n_ctx=3 * 256, n_batch=256, n_seq_max=3, kv_unified=unified)) as c:
+        other = model.tokenize(TEXTS[2])
+        c.decode_seqs(other, range(len(other)), [1] * len(other), [0] * len(other))
+        n = len(prompt)
+        c.decode_seqs([*prompt, *other[:5]], [*range(n), *range(5)], [0] * n + [2] * 5, [0] * (n - 1) + [1] + [0] * 5)
+        beside = [c.outputs_rows()[0].copy()]
+        c.decode_seqs(other[5:], range(5, len(other)), [2] * (len(other) - 5), [0] * (len(other) - 5))
+        for i, t in enumerate(steps):
+            if i == 2:        # sequence 1 leaves; sequence 2 takes more cells
+                c.seq_rm_of(1, -1, -1)
+                c.seq_rm_of(2, -1, -1)
+                c.decode_seqs(other, range(len(other)), [2] * len(other), [0] * len(other))
+            extra = [7, 8, 9] if i % 2 else [7]          # another sequence's verify rows, rolled back
+            c.decode_seqs([t, *extra], [n + i, *range(len(other), len(other) + len(extra))],
+                          [0] + [2] * len(extra), [1] * (1 + len(extra)))
+            beside.append(c.outputs_rows()[0].copy())
+            c.seq_rm_of(2, len(other), -1)
+    return np.stack(alone), np.stack(beside)
+
+
+def test_a_sequences_rows_are_bit_identical_beside_others_with_a_stream_each(smol):
+    model, _ = smol
+    alone, beside = _rows_alone_and_beside(model, unified=False)
+    assert np.array_equal(alone, beside)
+
+
+@pytest.mark.full
+def test_a_unified_kv_buffer_is_not_invariant_once_cells_are_reused(smol):
+    """Why the batched engine keeps a stream per sequence: with one buffer, sequence 0's later
+    positions go into the cells sequence 1 left, before its earlier ones, and the attention sums
+    them in another order."""
+    model, _ = smol
+    alone, beside = _rows_alone_and_beside(model, unified=True)
+    assert np.array_equal(alone[:3], beside[:3])
+    assert not np.array_equal(alone, beside)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("which", ["gemma", "smollm"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, replace(SEEDED, seed=7, temp=1.2)], ids=["greedy", "s1234", "s7"])
+def test_grid_each_equal_alone(request, which, sampling):
+    """The larger grid: both models, more seeds, five requests through two sequences and four."""
+    path = request.getfixturevalue("gemma_path" if which == "gemma" else "smollm_path")
+    with Model(path) as model:
+        refs = Refs(model)
+        try:
+            kinds = ["ngram-simple", "wrong", "none", "right", "ngram-simple"]
+            reqs = _requests(model, refs, sampling, kinds)
+            for n_seq, joins in ((2, [0, 0, 1, 5, 9]), (4, [0, 3, 3, 0, 6])):
+                with BatchEngine(str(path), BatchParams(n_seq=n_seq, n_ctx_seq=256, draft_rows=8), model=model) as b:
+                    hs = _staggered(b, reqs, joins)
+                _check(hs, reqs, refs, kinds)
+        finally:
+            refs.engine.close()
