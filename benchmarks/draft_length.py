@@ -1,6 +1,7 @@
 """--spec-draft-adaptive against fixed n-gram drafts, on the peers workloads, in one process.
 
     python benchmarks/draft_length.py [--workloads free,code-rewrite,...] [-n 128] [--reps 3] [--out FILE.json]
+                                      [--curves FILE.json]
 
 For each workload (benchmarks/prompts/, the peers benchmark's files and models): `none`, ngram-simple
 size-n 3 / size-m 16 with its fixed length (the cap), and the same with --spec-draft-adaptive; greedy,
@@ -9,7 +10,9 @@ size-n 3 / size-m 16 with its fixed length (the cap), and the same with --spec-d
   * modeled: each pass's rows priced by one pass-cost curve t(r), measured once per model at the start
     (median of 5 interleaved rounds of 1..33-row passes) and frozen, so that the draft lengths the policy picks
     do not depend on this machine's drift while it runs: the same run gives the same passes, and
-    the ratio is the policy's own (what a change to kernels/draftlen.py is judged by);
+    the ratio is the policy's own (what a change to kernels/draftlen.py is judged by). --curves
+    takes them from an earlier run's JSON instead, so that two versions of the code can be compared
+    pass for pass;
   * wall: generation tokens/s, the median of --reps runs, interleaved across the three settings.
 
 Every row's text is compared with `none`'s. Prints a markdown table; writes all numbers as JSON.
@@ -78,15 +81,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "draft_length.json"))
+    ap.add_argument("--curves", help="an earlier run's JSON: its pass-cost curves, not measured again")
     args = ap.parse_args()
     names = [w for w in args.workloads.split(",") if w]
     bad = [w for w in names if w not in WORKLOADS]
     if bad:
         sys.exit(f"unknown workload(s) {', '.join(bad)}; known: {', '.join(WORKLOADS)}")
     rows, curves = [], {}
+    given = json.loads(Path(args.curves).read_text())["curves_ms"] if args.curves else {}
     for model in dict.fromkeys(WORKLOADS[w][0] for w in names):
         with Engine(str(resolve_model(model)), EngineParams(n_ctx=4096, n_threads=args.threads)) as e:
-            curves[model] = measure_curve(e)
+            curves[model] = ({int(r): [32, ms / 1e3] for r, ms in given[model].items()} if model in given
+                             else measure_curve(e))
             print(f"[draft-length] {model} pass cost: " + ", ".join(
                 f"{r} rows {v[1] * 1e3:.1f} ms" for r, v in sorted(curves[model].items())), file=sys.stderr)
             for w in (w for w in names if WORKLOADS[w][0] == model):

@@ -5,6 +5,7 @@ verify row costs almost as much as a plain step, so acceptance alone does not de
 
     D(r)    time of one target decode of r rows with logits (a verify pass of r - 1 draft
             tokens), rolled back after each call; median of reps, made non-decreasing in r
+            (draftlen.VerifyCost, timed by Engine.measure_passes as the adaptive length's are)
     T1      time per token of plain generation (a greedy `none` probe: decode, sampling and the
             loop's bookkeeping)
     Tv(r)   = T1 + D(r) - D(1): a verify pass costs a plain step plus its extra rows
@@ -24,6 +25,8 @@ largest candidate) give:
 The prediction for n_max = k <= K, with k' = min(k, L):
 
     E(k)       = 1 + f * (a_0 + ... + a_{k'-1})                        tokens per pass
+                 (the adaptive length's E(k), draftlen.expected_tokens, of k' drafts, less the
+                 target's own token, times f)
     T(k)       = f * Tv(k' + 1) + (1 - f) * T1 + c0 + c1 * f * k'      time per pass
     speedup(k) = E(k) * T1 / T(k)
 
@@ -44,7 +47,6 @@ import json
 import logging
 import os
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,7 +56,7 @@ import numpy as np
 from specrun.gguf_spec.errors import SpecrunError
 
 from .drafters import draft_n_max, make_drafter
-from .draftlen import curve_rows
+from .draftlen import VerifyCost, curve_rows, expected_tokens, rates_of
 from .llama import MAX_EXACT_BATCH
 from .params import MODEL_TYPES, NGRAM_TYPES, SPEC_TYPE, SpecParams
 from .types import SamplingParams
@@ -73,35 +75,6 @@ class CalibrationError(SpecrunError):
 
 
 # ---- data ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyCost:
-    """D(r): decode time of r rows with logits at KV depth `depth`. All tuples are [len(rows)]."""
-
-    rows: tuple[int, ...]
-    s: tuple[float, ...]          # median seconds, made non-decreasing in rows (what at() reads)
-    s_min: tuple[float, ...]
-    s_max: tuple[float, ...]
-    depth: int = 0
-    s_median: tuple[float, ...] = ()   # the medians as measured (empty: s); a pass of more rows can be
-                                       # cheaper (Gemma 3 270M: 12 rows below 9, a block of 4 rows each)
-
-    @property
-    def measured(self) -> tuple[float, ...]:
-        """[len(rows)] median seconds as measured, before the non-decreasing step."""
-        return self.s_median or self.s
-
-    def at(self, r: float) -> float:
-        """D(r) in seconds, linear between measured rows (and beyond the last, on its slope)."""
-        rows, s = self.rows, self.s
-        if len(rows) == 1 or r <= rows[0]:
-            return s[0]
-        for i in range(1, len(rows)):
-            if r <= rows[i] or i == len(rows) - 1:
-                r0, r1, s0, s1 = rows[i - 1], rows[i], s[i - 1], s[i]
-                return s0 + (s1 - s0) * (r - r0) / (r1 - r0)
-        raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,10 +169,7 @@ def predict(costs: Costs, spec: SpecParams) -> Prediction:
     p = dc.long
     n_max = float(draft_n_max(spec.types[0], spec))
     k = min(n_max, p.mean_len) if p.n_drafts else n_max
-    a = p.acc_per_pos
-    n_full = int(k)
-    acc_sum = sum(a[:n_full]) + (k - n_full) * (a[n_full] if n_full < len(a) else 0.0)
-    e = 1.0 + p.f * acc_sum
+    e = 1.0 + p.f * (expected_tokens(rates_of(p.acc_per_pos), k) - 1.0)
     t1 = costs.t1_s
     tv = t1 + costs.verify.at(k + 1) - costs.verify.at(1)
     t = p.f * tv + (1 - p.f) * t1 + dc.c0_s + dc.c1_s * p.f * k
@@ -287,32 +257,13 @@ def measure_verify_cost(engine, prompt_tokens: Sequence[int], rows: Sequence[int
     prompt = prompt[-room:] if len(prompt) > room else prompt
     if len(prompt) == 0:
         prompt = np.asarray([engine.model.bos], dtype=np.int32)
-    n0 = len(prompt)
-    fill = np.resize(prompt, rows[-1]).astype(np.int32)
-    times: dict[int, list[float]] = {r: [] for r in rows}
     engine.reset()
     try:
         ctx.decode_chunks(prompt, 0)
-        for rep in range(reps + 1):
-            for r in rows:
-                t0 = time.perf_counter()
-                ctx.decode(fill[:r], n0, "all")
-                dt = time.perf_counter() - t0
-                if not ctx.seq_rm(n0, -1):      # memory that cannot roll r rows back: start over
-                    ctx.clear()
-                    ctx.decode_chunks(prompt, 0)
-                if rep:
-                    times[r].append(dt)
-            if on_step:
-                on_step(f"verify cost, round {rep + 1}/{reps + 1}")
+        on_round = (lambda i: on_step(f"verify cost, round {i + 1}/{reps + 1}")) if on_step else None
+        return engine.measure_passes(rows, prompt, reps, warmup=True, on_round=on_round)
     finally:
         engine.reset()
-    raw = [statistics.median(times[r]) for r in rows]
-    med = list(raw)
-    for i in range(1, len(med)):               # noise must not make more rows look cheaper
-        med[i] = max(med[i], med[i - 1])
-    return VerifyCost(rows, tuple(med), tuple(min(times[r]) for r in rows),
-                      tuple(max(times[r]) for r in rows), n0, tuple(raw))
 
 
 def _probe_once(engine, prompt: np.ndarray, n_probe: int, spec: SpecParams) -> tuple:

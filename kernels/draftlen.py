@@ -13,14 +13,18 @@ continues a copy seen right for j tokens is judged from position j on. On a verb
 a_i -> 1 and the longest draft pays; on a partial one the rows past the likely rejection are
 wasted and k drops; on text that n-grams do not predict the drafter is silent.
 
+    VerifyCost the measured cost of target passes of r rows (Engine.measure_passes, the one way
+               passes are timed): auto's calibration reads it as D(r), and PassCost starts from it
     PassCost   t(r): seconds of a target pass of r rows, learned from the engine's own passes
                (a running mean per r, linear between them; before any data the line 1 + r / 4),
                times a level that every pass moves (the context grows, the machine drifts).
-               The engine measures a few pass sizes once before its first adaptive generation,
-               since passes of the lengths it is not choosing would never be seen otherwise
+               It starts from a VerifyCost: the engine's probe of a few pass sizes, once before its
+               first adaptive generation (passes of the lengths it is not choosing would never be
+               seen otherwise), or auto's calibration curve
     Acceptance a_i: by draft position, P(token i accepted | tokens before it were), decayed by
                DECAY per draft so that it follows the text (a copy starts, a copy ends);
-               E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k. Prior: 0.5, and for n-gram drafters 0.9
+               E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k (expected_tokens, which auto's calibration
+               predicts with too). Prior: 0.5, and for n-gram drafters 0.9
                past a copy's first token (a copy that starts right tends to stay right). A
                proposal that starts where the last one was right to its end continues that copy:
                judged, and scored, from the copy's second token on
@@ -28,8 +32,9 @@ wasted and k drops; on text that n-grams do not predict the drafter is silent.
 
 from __future__ import annotations
 
+import statistics
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +66,53 @@ def curve_rows(max_rows: int) -> list[int]:
     return sorted({*(r for r in CURVE_ROWS if r < max_rows), max_rows})
 
 
+@dataclass(frozen=True, slots=True)
+class VerifyCost:
+    """The measured cost of target passes: D(r), the seconds of one decode of r rows with logits (a
+    verify pass of r - 1 drafts) at KV depth `depth`. All tuples are [len(rows)], rows ascending.
+    Made by curve_of from Engine.measure_passes' times; auto's calibration predicts from it and
+    the adaptive length's PassCost starts from it."""
+
+    rows: tuple[int, ...]
+    s: tuple[float, ...]          # the curve: the median (or the fastest) per row count, made
+                                  # non-decreasing in rows (what at() and PassCost read)
+    s_min: tuple[float, ...]
+    s_max: tuple[float, ...]
+    depth: int = 0
+    s_median: tuple[float, ...] = ()   # the medians as measured (empty: s); a pass of more rows can be
+                                       # cheaper (Gemma 3 270M: 12 rows below 9, a block of 4 rows each)
+
+    @property
+    def measured(self) -> tuple[float, ...]:
+        """[len(rows)] median seconds as measured, before the non-decreasing step."""
+        return self.s_median or self.s
+
+    def at(self, r: float) -> float:
+        """D(r) in seconds, linear between measured rows (and beyond the last, on its slope)."""
+        rows, s = self.rows, self.s
+        if len(rows) == 1 or r <= rows[0]:
+            return s[0]
+        for i in range(1, len(rows)):
+            if r <= rows[i] or i == len(rows) - 1:
+                r0, r1, s0, s1 = rows[i - 1], rows[i], s[i - 1], s[i]
+                return s0 + (s1 - s0) * (r - r0) / (r1 - r0)
+        raise AssertionError("unreachable")
+
+
+def curve_of(times: Mapping[int, Sequence[float]], depth: int = 0, fastest: bool = False) -> VerifyCost:
+    """A VerifyCost from each row count's timed passes ({rows: seconds of each round}). The curve is
+    the median per row count, or the fastest (the engine's two-round probe: the median of two is
+    their mean, which one slow pass moves, and noise only adds time), made non-decreasing: noise
+    must not make more rows look cheaper."""
+    rows = tuple(sorted(times))
+    med = [statistics.median(times[r]) for r in rows]
+    curve = [min(times[r]) for r in rows] if fastest else list(med)
+    for i in range(1, len(curve)):
+        curve[i] = max(curve[i], curve[i - 1])
+    return VerifyCost(rows, tuple(curve), tuple(min(times[r]) for r in rows), tuple(max(times[r]) for r in rows),
+                      depth, tuple(med))
+
+
 @dataclass(slots=True)
 class PassCost:
     """t(r) from observed target passes, as a shape times a level: t(r) = scale * base(r).
@@ -90,6 +142,21 @@ class PassCost:
 
     def copy(self) -> PassCost:
         return PassCost({r: list(v) for r, v in self.sums.items()}, self.scale)
+
+    def add(self, curve: VerifyCost) -> None:
+        """Each of a measured curve's passes, recorded, made non-decreasing in rows (as curve_of
+        makes them: noise must not make more rows look cheaper)."""
+        top = 0.0
+        for r, t in zip(curve.rows, curve.s, strict=True):
+            top = max(top, t)
+            self.record(int(r), top)
+
+    @classmethod
+    def of(cls, curve: VerifyCost) -> PassCost:
+        """t(r) that starts from a measured curve."""
+        c = cls()
+        c.add(curve)
+        return c
 
     def line(self) -> tuple[float, float]:
         """(c0, c1) of base(r) = c0 + c1 * r, least squares over the per-r means (one point:
@@ -185,16 +252,40 @@ class Acceptance:
         return self.rates(1)[0]
 
 
-def expected_tokens(a: float | Sequence[float], k: int) -> float:
-    """E(k): tokens per pass of a k-token draft, 1 + a1 + a1 a2 + ... + a1..ak, with a the
-    per-position conditional rates ([>= k]) or one rate for every position (1 + a + ... + a^k)."""
-    if isinstance(a, (int, float)):
-        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+def expected_each(a: Sequence[float], n: int) -> Iterator[float]:
+    """E(0), E(1), ..., E(n) of expected_tokens, one term more each (a position past a: rate 0)."""
     e, p = 1.0, 1.0
-    for i in range(k):
-        p *= a[i]
+    yield e
+    for i in range(n):
+        p *= a[i] if i < len(a) else 0.0
         e += p
-    return e
+        yield e
+
+
+def expected_tokens(a: float | Sequence[float], k: float) -> float:
+    """E(k): tokens per pass of a k-token draft, the target's own and the accepted ones:
+    1 + a1 + a1 a2 + ... + a1..ak, with a the per-position conditional rates (a position past
+    them: 0) or one rate for every position (1 + a + ... + a^k). A fractional k (a mean draft
+    length) adds its fraction of the next term: E(2.5) = E(2) + 0.5 a1 a2 a3."""
+    n = int(k)
+    if isinstance(a, (int, float)):
+        if n == k:
+            return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+        a = [float(a)] * (n + 1)
+    if n == k:
+        return list(expected_each(a, n))[-1]
+    *_, e, e_next = expected_each(a, n + 1)
+    return e + (k - n) * (e_next - e)
+
+
+def rates_of(through: Sequence[float]) -> list[float]:
+    """Per-position conditional rates a_i from the fractions of drafts accepted through each
+    position (stats' acc_rate_per_pos: a1, a1 a2, ...); past a position no draft passed, 0."""
+    out, prev = [], 1.0
+    for t in through:
+        out.append(t / prev if prev > 0 else 0.0)
+        prev = t
+    return out
 
 
 def best_length(a: float | Sequence[float], cost: PassCost, cap: int, k_min: int = 1) -> int:
@@ -204,11 +295,8 @@ def best_length(a: float | Sequence[float], cost: PassCost, cap: int, k_min: int
     is for drafters whose proposals cost nothing to make and can be scored without a verify pass
     (their whole proposals scored against the emitted text)."""
     rates = [float(a)] * cap if isinstance(a, (int, float)) else a
-    best, best_k, e, p = 0.0, k_min, 1.0, 1.0
-    for k in range(cap + 1):
-        if k > 0:                      # E(k) = E(k - 1) + a1 ... ak
-            p *= rates[k - 1]
-            e += p
+    best, best_k = 0.0, k_min
+    for k, e in enumerate(expected_each(rates, cap)):
         if k >= k_min and e / cost.at(k + 1) > best * (1 + 1e-9):
             best, best_k = e / cost.at(k + 1), k
     return best_k

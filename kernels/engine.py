@@ -36,7 +36,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from .constrain import Constraints, VerifyPass
 from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
-from .draftlen import DraftLength, PassCost, curve_rows
+from .draftlen import DraftLength, PassCost, VerifyCost, curve_of, curve_rows
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import IN_ORDER, NGRAM_TYPES, SPEC_TYPE, EngineParams, SpecParams, no_mtp_heads
 from .prefill import FastPrefill, RowsWanted, fast_len
@@ -455,27 +455,40 @@ class Engine:
                 st.t_prompt_s = time.perf_counter() - t0
 
     def _measure_pass_cost(self, max_rows: int, rounds: int = 2) -> None:
-        """Time target passes of draftlen.curve_rows(max_rows) rows past the KV cache's end, then remove
-        them (as a rejected draft's rows are; a hybrid model's through a checkpoint of its state
-        before them): what --spec-draft-adaptive needs to know before any draft was long. `rounds`
-        interleaved rounds, the fastest per row count (noise only adds time: one pass once read
+        """Time target passes of draftlen.curve_rows(max_rows) rows past the KV cache's end
+        (measure_passes): what --spec-draft-adaptive needs to know before any draft was long.
+        `rounds` rounds, the fastest per row count (noise only adds time: one pass once read
         1.5-1.7x at 2-8 rows on SmolLM2, and a row count the policy then avoids is never timed
-        again), made non-decreasing in rows. Once per engine, unless seeded (seed_pass_cost:
-        auto's calibration), and not counted as prompt time; up to 17 rows on 2 threads (Xeon) 1.2 s
-        on Gemma 3 270M, 0.8 s on SmolLM2."""
-        n = len(self.kv_tokens)
-        rows = curve_rows(max_rows)
-        if n + max_rows >= self.n_ctx:
+        again), into pass_cost. Once per engine, unless seeded (seed_pass_cost: auto's calibration),
+        and not counted as prompt time; up to 17 rows on 2 threads (Xeon) 1.2 s on Gemma 3 270M,
+        0.8 s on SmolLM2."""
+        if len(self.kv_tokens) + max_rows >= self.n_ctx:
             return
+        curve = self.measure_passes(curve_rows(max_rows), np.asarray(self.kv_tokens, dtype=np.int32), rounds,
+                                    fastest=True)
+        self.pass_cost.add(curve)
+        self._log_pass_cost(curve.rows)
+
+    def measure_passes(self, rows: Sequence[int], prefix: np.ndarray, rounds: int, *, warmup: bool = False,
+                       fastest: bool = False, on_round: Callable[[int], None] | None = None) -> VerifyCost:
+        """The one way target passes are timed: for each of `rows` (ascending), one decode of that many
+        rows with logits past prefix (int32 [n0], the tokens in the KV cache at positions 0..n0-1),
+        then removed again, as a rejected draft's rows are (a hybrid model's through a checkpoint of
+        its state before them). The rows are prefix's tokens again (its first token: a BOS when
+        empty). `rounds` rounds, interleaved so that drift hits every row count alike, after one
+        untimed round when warmup; on_round(i) after each. Returns draftlen.curve_of the times: per
+        row count the median, or the fastest.
+        requires: n0 + rows[-1] <= n_ctx."""
+        n = len(prefix)
+        fill = np.resize(prefix if n else np.asarray([self.model.bos], dtype=np.int32), rows[-1]).astype(np.int32)
         if self.model.recurrent and n:       # a hybrid model goes back through a checkpoint
             self.ctx.checkpoint()
-        toks = np.zeros(max_rows, dtype=np.int32)
-        times: dict[int, list[float]] = {r: [] for r in rows}
-        for _ in range(rounds):
+        times: dict[int, list[float]] = {int(r): [] for r in rows}
+        for i in range(rounds + warmup):
             for r in rows:
                 t = time.perf_counter()
-                self.ctx.decode(toks[:r], n, "all")
-                times[r].append(time.perf_counter() - t)
+                self.ctx.decode(fill[:r], n, "all")
+                dt = time.perf_counter() - t
                 if self.model.recurrent:
                     if n:
                         self.ctx.restore()
@@ -483,23 +496,20 @@ class Engine:
                         self.ctx.clear()
                 elif not self.ctx.seq_rm(n, -1):
                     raise LlamaError(f"could not remove {r} measuring rows at {n}")
-        self._record_curve(rows, [min(times[r]) for r in rows])
+                if i >= warmup:
+                    times[int(r)].append(dt)
+            if on_round:
+                on_round(i)
+        return curve_of(times, n, fastest)
 
-    def seed_pass_cost(self, rows: Sequence[int], seconds: Sequence[float]) -> None:
-        """Start the adaptive draft length's pass-cost curve anew from measured passes: seconds[i]
-        for a target pass of rows[i] rows (ascending). auto hands over its calibration's curve
-        (median of 5 interleaved rounds), so the first adaptive generation measures nothing; the
-        engine's own passes refine it from there."""
-        self.pass_cost = PassCost()
-        self._record_curve(rows, seconds)
+    def seed_pass_cost(self, curve: VerifyCost) -> None:
+        """Start the adaptive draft length's pass-cost curve anew from a measured one. auto hands over
+        its calibration's curve (median of 5 interleaved rounds), so the first adaptive generation
+        measures nothing; the engine's own passes refine it from there."""
+        self.pass_cost = PassCost.of(curve)
+        self._log_pass_cost(curve.rows)
 
-    def _record_curve(self, rows: Sequence[int], seconds: Sequence[float]) -> None:
-        """Each (rows, seconds) into pass_cost, made non-decreasing in rows (noise must not make
-        more rows look cheaper)."""
-        top = 0.0
-        for r, t in zip(rows, seconds, strict=True):
-            top = max(top, t)
-            self.pass_cost.record(int(r), top)
+    def _log_pass_cost(self, rows: Sequence[int]) -> None:
         log.info("target pass cost: %s", ", ".join(f"{r} rows {self.pass_cost.at(r) * 1e3:.1f} ms" for r in rows))
 
     def _propose(self, drafters: list[Drafter], ctx: np.ndarray, k_cap: int, lens: list[DraftLength], n_min: int,
