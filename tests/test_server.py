@@ -1,154 +1,45 @@
-"""`specrun serve` as a real process on 127.0.0.1 (SmolLM2-135M, 2 slots), driven by the official
-openai client and by httpx, every request with a timeout: OpenAI shapes, streaming, stop strings,
-speculative equality, /metrics accounting, chat equal to the REPL's ChatSession, bad input (refused
-fields, unencodable text), load from 8 clients with an RSS bound, the same load through a SIGTERM, and a fuzz of request bodies from the server's own
-OpenAPI schema. Waits are on events (/metrics, /health, the server's log), each bounded by T."""
+"""`specrun serve` on 127.0.0.1 (SmolLM2-135M, 2 slots), driven by the official openai client and by
+httpx, every request with a timeout: OpenAI shapes, streaming, stop strings, speculative equality,
+/metrics accounting, chat equal to the REPL's ChatSession, bad input (refused fields, unencodable
+text), load from 8 clients with an RSS bound, and a fuzz of request bodies from the server's own
+OpenAPI schema, against the server in this process (tests/serving.py); its start (503 `loading`)
+and the same load through a SIGTERM against it as a process. Waits are on events (/metrics,
+/health, the server's log), each bounded by T."""
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
+from serving import MODEL, SPECRUN, ServerProcess, T, delta, metric_sum, wait_for
 
+__all__ = ["MODEL", "REPEAT", "SPECRUN", "T", "ServerProcess", "delta", "metric_sum", "wait_for"]   # test_rpc
 pytestmark = pytest.mark.slow
 
-SPECRUN = str(Path(sys.executable).parent / "specrun")
-T = 30.0   # seconds: the timeout of every request
-MODEL = "smollm2-135m-instruct"
 # A period longer than ngram-simple's 12-token pattern: it drafts on this (a shorter period never
 # drafts, as in llama.cpp: the last occurrence is too recent to give 12 tokens).
 REPEAT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat.\n" * 4
-
-
-def wait_for(what: str, pred: Callable[[], object], timeout: float = T):
-    """Poll pred() until it returns something true (returned); fail after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
-
-
-class ServerProcess:
-    """`specrun serve --port 0 ARGS` as a subprocess; its stderr goes to a log file, from which the
-    bound port is read. `statuses`: what /health answered while the model loaded."""
-
-    def __init__(self, log_dir: Path, *args: str, api_key: str | None = None) -> None:
-        self.log_path = log_dir / "server.log"
-        self.api_key = api_key
-        self.statuses: list[tuple[int, dict]] = []
-        env = {k: v for k, v in os.environ.items() if k not in ("SPECRUN_API_KEY", "SPECRUN_MODEL")}
-        cmd = [SPECRUN, "serve", "--port", "0", *args, *(["--api-key", api_key] if api_key else [])]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                                         env=env)
-        try:
-            self.url = self._wait_ready(timeout=120)
-        except BaseException:
-            self.kill()
-            raise
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, timeout=T, headers=headers)
-
-    def _wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        url = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"specrun serve exited with {self.proc.returncode}:\n{self.log()}")
-            if url is None and (m := re.search(r"on (http://127\.0\.0\.1:\d+)", self.log())):
-                url = m.group(1)
-            if url is not None:
-                r = httpx.get(f"{url}/health", timeout=T)   # bound and listening from the first line on
-                self.statuses.append((r.status_code, r.json()))
-                if r.status_code == 200:
-                    return url
-            time.sleep(0.02)
-        raise RuntimeError(f"specrun serve not ready after {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", timeout=T, max_retries=0,
-                             **kw)
-
-    def post(self, path: str, body, **kw) -> httpx.Response:
-        return self.http.post(path, json=body, **kw)
-
-    def completion(self, prompt: str, n: int = 16, **extra) -> dict:
-        r = self.post("/completion", {"prompt": prompt, "n_predict": n, "temperature": 0, **extra})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def metrics(self) -> dict[str, float]:
-        """{'name{labels}': value} of every sample."""
-        r = self.http.get("/metrics")
-        assert r.status_code == 200, r.text
-        assert r.headers["content-type"].startswith("text/plain")
-        out = {}
-        for line in r.text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def rss_kib(self) -> int:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
-
-    def terminate(self, timeout: float = 20) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def stopped(self) -> dict[str, int]:
-        """The numbers of the server's last line, `specrun serve: stopped: ...`."""
-        m = re.search(r"stopped: (\d+) requests answered; at the signal (\d+) finished within the drain and "
-                      r"(\d+) were interrupted \((\d+) during the prompt\); (\d+) queued and (\d+) new requests "
-                      r"answered 503\n\Z", self.log())
-        assert m, self.log()
-        keys = ("answered", "finished", "interrupted", "in_prompt", "queued", "refused")
-        return dict(zip(keys, map(int, m.groups()), strict=True))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def metric_sum(m: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, v in m.items():
-        base, _, lab = key.partition("{")
-        if base == name and all(f'{k}="{val}"' in lab for k, val in labels.items()):
-            total += v
-    return total
-
-
-def delta(after: dict, before: dict, name: str, **labels: str) -> float:
-    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+ARGS = ("-m", MODEL, "-c", "512", "-np", "2", "-n", "64")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve"), "-m", MODEL, "-c", "512", "-np", "2", "-n", "64")
+def server(servers):
+    """In process, shared by every module that asks for these arguments."""
+    return servers.shared(*ARGS)
+
+
+@pytest.fixture(scope="module")
+def process(tmp_path_factory):
+    """The same server as a process: for its start (503 `loading` while the model loads) and for
+    SIGTERM (its drain, its exit code and its last line)."""
+    srv = ServerProcess(tmp_path_factory.mktemp("serve"), *ARGS)
     yield srv
     srv.kill()
 
@@ -213,7 +104,7 @@ def test_tokenize_detokenize_and_props_as_llama_server(server):
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
 
 
-def test_slots_show_each_slots_request_in_flight_and_last(server, tmp_path):
+def test_slots_show_each_slots_request_in_flight_and_last(server, servers):
     """GET /slots as llama-server's: per slot its request in flight or last one, its progress and
     settings, but not what the client typed (prompt, text, stop strings, grammar) unless
     --slots-debug; ?fail_on_no_slot=1 is a 503 while every slot is busy; --no-slots turns it off
@@ -258,22 +149,16 @@ def test_slots_show_each_slots_request_in_flight_and_last(server, tmp_path):
     assert busy_503 and "no slot available" in busy_503[0]
     assert seen and all(0 < x["next_token"][0]["n_decoded"] and x["next_token"][0]["has_next_token"] for x in seen), seen
     assert server.http.get("/slots", params={"fail_on_no_slot": "1"}).status_code == 200     # idle again
-    debug = ServerProcess(tmp_path, "-m", MODEL, "-c", "256", "-n", "4", "--slots-debug")
-    try:
+    with servers.start("-m", MODEL, "-c", "256", "-n", "4", "--slots-debug") as debug:
         done = debug.completion(prompt, 4, seed=7, stop=["secret stop"])
         s = debug.http.get("/slots").json()[0]
         assert s["prompt"].endswith(prompt) and s["generated"] == done["content"]
         assert s["params"] == {**done["generation_settings"], "stream": False}
-    finally:
-        debug.kill()
-    off = ServerProcess(tmp_path, "-m", MODEL, "-c", "256", "-n", "4", "--no-slots")
-    try:
+    with servers.start("-m", MODEL, "-c", "256", "-n", "4", "--no-slots") as off:
         r = off.http.get("/slots")
         assert r.status_code == 501 and r.json() == {"error": {
             "message": "This server does not support slots endpoint. Start it with `--slots`",
             "type": "not_supported_error", "code": "not_supported_error"}}, r.text
-    finally:
-        off.kill()
 
 
 def test_openai_chat_stream_equals_non_stream(server):
@@ -335,13 +220,13 @@ def test_health_head_and_v1(server):
     assert server.http.head("/v1/health").status_code == 200
 
 
-def test_loading_answers_503_then_ok(server):
-    """The port answers from the first log line on: 503 `loading` until the model is loaded (about a
-    second for this model on this machine, so the polls at 20 ms intervals see it), then 200."""
+def test_loading_answers_503_then_ok(process):
+    """The process's port answers from its first log line on: 503 `loading` until the model is loaded
+    (about a second for this model on this machine, so the polls at 20 ms intervals see it), then 200."""
     loading = (503, {"error": {"message": "Loading model", "type": "unavailable_error", "code": "loading"}})
-    assert len(server.statuses) >= 2
-    assert server.statuses[:-1] == [loading] * (len(server.statuses) - 1)
-    assert server.statuses[-1][0] == 200
+    assert len(process.statuses) >= 2
+    assert process.statuses[:-1] == [loading] * (len(process.statuses) - 1)
+    assert process.statuses[-1][0] == 200
 
 
 def test_openapi_schema_published(server):
@@ -397,7 +282,7 @@ def test_chat_equals_the_repl_session(server, smollm_path):
     assert native["tokens_evaluated"] == len(prompt)
 
 
-def test_a_final_assistant_message_is_continued(server, smollm_path, tmp_path):
+def test_a_final_assistant_message_is_continued(server, servers, smollm_path):
     """As llama-server (prefill_assistant): the messages before it with the assistant's generation
     prompt, then its content, and the answer goes on from there; --no-prefill-assistant closes it
     as a whole turn."""
@@ -415,12 +300,9 @@ def test_a_final_assistant_message_is_continued(server, smollm_path, tmp_path):
     assert r["choices"][0]["message"]["content"] == server.completion(continued, 12)["content"]
     r = server.post("/v1/chat/completions", {"messages": [user, start, start]})
     assert r.status_code == 400 and "two assistant messages" in r.json()["error"]["message"]
-    off = ServerProcess(tmp_path, "-m", MODEL, "-c", "512", "-n", "8", "--no-prefill-assistant")
-    try:
+    with servers.start("-m", MODEL, "-c", "512", "-n", "8", "--no-prefill-assistant") as off:
         r = off.post("/v1/chat/completions", {"messages": [user, start], "max_tokens": 4, "temperature": 0}).json()
         assert r["usage"]["prompt_tokens"] == len(closed) != len(continued)
-    finally:
-        off.kill()
 
 
 # ---- speculative decoding: the same text, faster ------------------------------------------------
@@ -789,11 +671,12 @@ def _attempt(client: httpx.Client, i: int) -> tuple[str, str]:
     return "ok", choice["text"] if kind == 1 else "chat:" + choice["message"]["content"]
 
 
-def test_load_through_sigterm(tmp_path, load_expected):
-    """The load of test_load_8_clients_40_requests against its own server, which gets SIGTERM once 12
-    answers are in. Every request ends in a whole, correct answer or a well-formed 503 (or finds the
-    server gone once it has exited); the server's own count, in its last line, agrees exactly."""
-    srv = ServerProcess(tmp_path, "-m", MODEL, "-c", "512", "-np", "2", "-n", "64")
+def test_load_through_sigterm(process, load_expected):
+    """The load of test_load_8_clients_40_requests against the server's process, which gets SIGTERM
+    once 12 answers are in. Every request ends in a whole, correct answer or a well-formed 503 (or
+    finds the server gone once it has exited); the process exits 0, and its own count, in its last
+    line, agrees exactly."""
+    srv = process
     lock = threading.Lock()
     seq = iter(range(10**6))
     n_ok = 0

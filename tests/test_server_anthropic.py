@@ -13,7 +13,8 @@ import json
 import anthropic
 import httpx
 import pytest
-from test_server import MODEL, REPEAT, ServerProcess, T
+from serving import MODEL, T
+from test_server import REPEAT
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +25,9 @@ GREEDY = {"temperature": 0}    # the client names no sampling fields any more: t
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-anthropic"), "-m", MODEL, "-c", "512", "-np", "2", "-t", "1",
-                        "-n", "64", api_key=KEY)
-    yield srv
-    srv.kill()
+def server(servers):
+    with servers.start("-m", MODEL, "-c", "512", "-np", "2", "-t", "1", "-n", "64", api_key=KEY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

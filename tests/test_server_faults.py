@@ -1,5 +1,6 @@
-"""`specrun serve` under faults, as real processes on 127.0.0.1 (SmolLM2-135M), every request with a
-timeout and every wait on an event (/metrics, /health, the order of answers, the server's log):
+"""`specrun serve` under faults on 127.0.0.1 (SmolLM2-135M), in this process (tests/serving.py) and,
+for SIGTERM and the start-up's exit codes, as a process; every request with a timeout and every
+wait on an event (/metrics, /health, the order of answers, the server's log):
 
 - SIGTERM loses no answer: the requests in flight finish within the drain, the queued and the new
   ones get 503 at once, the process exits 0; past --drain-timeout, long prompts are stopped at the
@@ -24,7 +25,7 @@ import time
 import httpx
 import pytest
 from click.testing import CliRunner
-from test_server import MODEL, SPECRUN, ServerProcess, T, delta, wait_for
+from serving import MODEL, SPECRUN, Handle, ServerProcess, T, delta, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +33,18 @@ CHUNK = 512        # a long prompt's block (kernels/prefill.BLOCK), as the exact
 LONG_IDS = [(i * 7919) % 40000 + 100 for i in range(1100)]     # a prompt of 1100 tokens: 3 chunks
 
 
-def host_port(srv: ServerProcess) -> tuple[str, int]:
+def host_port(srv: Handle) -> tuple[str, int]:
     host, port = srv.url.removeprefix("http://").rsplit(":", 1)
     return host, int(port)
 
 
-def raw_post(srv: ServerProcess, path: str, body: bytes, content_length: int | None = None) -> socket.socket:
+def raw_post(srv: Handle, path: str, body: bytes, content_length: int | None = None) -> socket.socket:
     """A POST sent over a socket of its own (so the test can close it, or leave the body unfinished)."""
-    s = socket.create_connection(host_port(srv), timeout=T)
+    host, port = host_port(srv)
+    s = socket.create_connection((host, port), timeout=T)
     n = len(body) if content_length is None else content_length
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n"
-              "\r\n".encode() + body)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {n}\r\n\r\n".encode() + body)
     return s
 
 
@@ -54,11 +56,10 @@ def read_all(s: socket.socket) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-faults"), "-m", MODEL, "-c", "2048", "-np", "1", "-t", "1",
-                        "--queue", "2", "-n", "400", "--body-timeout", "2")
-    yield srv
-    srv.kill()
+def faults(servers):
+    with servers.start("-m", MODEL, "-c", "2048", "-np", "1", "-t", "1", "--queue", "2", "-n", "400",
+                       "--body-timeout", "2") as srv:
+        yield srv
 
 
 # ---- a responsive event loop, bounded bodies -------------------------------------------------------
@@ -335,7 +336,7 @@ def test_an_empty_api_key_is_an_error(args, env):
                                      "leave both out to serve without one"]
 
 
-def test_chat_template_file_and_builtin_names_as_llama_server(tmp_path, smollm_path):
+def test_chat_template_file_and_builtin_names_as_llama_server(servers, tmp_path, smollm_path):
     """serve takes llama-server's --chat-template NAME|JINJA, --chat-template-file FILE and
     --jinja; a chat request's prompt is the one that template renders (SmolLM2's own template
     would add its default system message: other token counts)."""
@@ -352,14 +353,11 @@ def test_chat_template_file_and_builtin_names_as_llama_server(tmp_path, smollm_p
         for args, name, file, text in cases:
             toks, rendered = ChatFormat.load(model, name, file).prompt(messages)
             assert rendered == text and len(toks) != own
-            srv = ServerProcess(tmp_path, "-m", MODEL, "-c", "256", *args)
-            try:
+            with servers.start("-m", MODEL, "-c", "256", *args) as srv:
                 r = srv.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
                                                                  "temperature": 0})
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["prompt_tokens"] == len(toks), args
-            finally:
-                srv.kill()
     r = subprocess.run([SPECRUN, "serve", "--port", "0", "-m", MODEL, "-c", "256", "--chat-template", "chatml",
                         "--chat-template-file", str(path)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                        timeout=4 * T)

@@ -2,7 +2,8 @@
 synthetic MTP model), and with --api-key, one slot and a queue of one: the content equals plain
 decoding, a draft n-max above the engine's cap is a 400 that gives the cap, requests without the
 key get 401, a full queue gets 503 with Retry-After, a client that leaves mid-stream frees the slot
-for the one waiting, and SIGTERM past the drain timeout ends a stream with an error event (exit 0)."""
+for the one waiting (in this process, tests/serving.py), and SIGTERM past the drain timeout ends a
+stream with an error event (the process exits 0)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,17 @@ import threading
 import httpx
 import openai
 import pytest
-from test_server import MODEL, REPEAT, ServerProcess, T, delta, metric_sum, wait_for
+from serving import MODEL, ServerProcess, T, delta, metric_sum, wait_for
+from test_server import REPEAT
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ngram_server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-ngram"), "-m", MODEL, "-c", "512", "-n", "48", "-t", "1",
-                        "--spec-type", "ngram-simple", "--spec-draft-n-max", "8")
-    yield srv
-    srv.kill()
+def ngram_server(servers):
+    with servers.start("-m", MODEL, "-c", "512", "-n", "48", "-t", "1", "--spec-type", "ngram-simple",
+                       "--spec-draft-n-max", "8") as srv:
+        yield srv
 
 
 def test_server_level_ngram_equals_none(ngram_server):
@@ -228,17 +229,16 @@ def test_logprobs_are_before_the_sampler_chain_as_llama_server(ngram_server):
 
 
 @pytest.fixture(scope="module")
-def mtp_server(tmp_path_factory):
+def mtp_server(servers, tmp_path_factory):
     from specrun.gguf_spec.testmodel import Head, SynthConfig
     from specrun.kernels.testmodel import build_test_model
 
     # Q8_0: exact equality is asserted below, and F16 weights are not batch-invariant (README)
     d = tmp_path_factory.mktemp("serve-mtp")
     path = build_test_model(d / "mtp.gguf", SynthConfig(head=Head.parse("exact")), "q8_0")
-    srv = ServerProcess(d, "-m", str(path), "-c", "256", "-n", "24", "-t", "1",
-                        "--spec-type", "draft-mtp", "--spec-ngram-mod-n-max", "40")   # a cap under exact mode's 62
-    yield srv
-    srv.kill()
+    with servers.start("-m", str(path), "-c", "256", "-n", "24", "-t", "1", "--spec-type", "draft-mtp",
+                       "--spec-ngram-mod-n-max", "40") as srv:   # a cap under exact mode's 62
+        yield srv
 
 
 def test_draft_mtp_equals_none(mtp_server):
@@ -292,10 +292,19 @@ def test_chat_without_template_is_400(mtp_server):
 KEY = "sk-test-123"
 
 
+GUARDED = ("-m", MODEL, "-c", "512", "-np", "1", "-t", "1", "--queue", "1", "--drain-timeout", "1")
+
+
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-key"), "-m", MODEL, "-c", "512", "-np", "1", "-t", "1",
-                        "--queue", "1", "--drain-timeout", "1", api_key=KEY)
+def guarded(servers):
+    with servers.start(*GUARDED, api_key=KEY) as srv:
+        yield srv
+
+
+@pytest.fixture
+def guarded_process(tmp_path):
+    """The guarded server as a process: for SIGTERM, its exit code and its last line."""
+    srv = ServerProcess(tmp_path, *GUARDED, api_key=KEY)
     yield srv
     srv.kill()
 
@@ -384,17 +393,18 @@ def test_disconnect_non_streamed_frees_the_slot(guarded):
     assert delta(after, before, "specrun_tokens_generated_total") < 400
 
 
-def test_sigterm_past_the_drain_timeout_ends_the_stream_with_an_error(guarded):
+def test_sigterm_past_the_drain_timeout_ends_the_stream_with_an_error(guarded_process):
     """SIGTERM while a 400-token stream is generating, with --drain-timeout 1: the stream is stopped
     after the drain and ends with an error event, then [DONE] (never a final chunk that looks
     complete); the process exits 0, and its last line counts that one interrupted run."""
+    srv = guarded_process
     body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0, "stream": True}
-    m = guarded.metrics()
+    m = srv.metrics()
     answered = metric_sum(m, "specrun_requests_total") - m["specrun_requests_interrupted_total"]
-    with guarded.http.stream("POST", "/v1/completions", json=body) as stream:
+    with srv.http.stream("POST", "/v1/completions", json=body) as stream:
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        guarded.proc.send_signal(15)
+        srv.proc.send_signal(15)
         rest = [line[len("data: "):] for line in lines if line]
     assert rest[-1] == "[DONE]"
     error = json.loads(rest[-2])
@@ -402,7 +412,7 @@ def test_sigterm_past_the_drain_timeout_ends_the_stream_with_an_error(guarded):
     assert "after" in error["error"]["message"] and "tokens" in error["error"]["message"]
     pieces = [json.loads(e) for e in rest[:-2]]
     assert all(p["choices"][0]["finish_reason"] is None and "timings" not in p for p in pieces)
-    assert guarded.proc.wait(T) == 0
-    assert "Traceback" not in guarded.log()
-    assert guarded.stopped() == {"answered": answered, "finished": 0, "interrupted": 1, "in_prompt": 0,
-                                 "queued": 0, "refused": 0}
+    assert srv.proc.wait(T) == 0
+    assert "Traceback" not in srv.log()
+    assert srv.stopped() == {"answered": answered, "finished": 0, "interrupted": 1, "in_prompt": 0,
+                             "queued": 0, "refused": 0}
