@@ -21,9 +21,10 @@ Use conftest's session fixture `servers` (a Servers):
 
 A handle (both kinds) has url, api_key, http (an httpx.Client with the key), client() (openai),
 post(path, body), completion(prompt, n, **fields) (greedy /completion, asserted 200) and
-metrics() ({'name{labels}': value}); log() is what the server printed (in process: its start and
-stop lines and the records of the `specrun` and `uvicorn` loggers while it ran; those of every
-server then running in this process). InProcessServer.state is its ServerState.
+metrics() ({'name{labels}': value}), log(): what the server printed (in process: its start and
+stop lines and the records of the `specrun` and `uvicorn` loggers while it ran, those of every
+server then running in this process), and stopped(): the numbers of its `stopped` line.
+InProcessServer also has state (its ServerState), signal() (what SIGTERM does: the drain) and stop().
 
 ServerProcess runs `specrun serve` as a child process. Use it only for what is about the process:
 signals (the SIGTERM drain, Ctrl-C), its exit code and stderr, a start that must show as the
@@ -214,6 +215,7 @@ class InProcessServer(Handle):
         self._engines = engines if engines is not None else EngineCache()
         self._lines: list[str] = []
         self._stopped = False
+        self._signals = 0
         self._sock = listen_socket(opt.host, opt.port)
         self.url = f"http://{opt.host}:{self._sock.getsockname()[1]}"
         self._handler = _Lines(self._lines)
@@ -262,9 +264,16 @@ class InProcessServer(Handle):
         status = Path("/proc/self/status").read_text()
         return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
 
+    def signal(self) -> None:
+        """What SIGTERM / Ctrl-C does to `specrun serve` (its handle_exit): the first drains (new
+        requests 503, queued ones 503 at once, those in flight get --drain-timeout), then uvicorn
+        stops; a second stops the generations in flight at once. stop() waits for the end."""
+        self._signals += 1
+        self.server.handle_exit(signal.SIGTERM, None)
+
     def stop(self) -> None:
-        """Drain as on SIGTERM (the requests in flight get --drain-timeout), let uvicorn shut down,
-        join its thread, and give the engines back. Idempotent."""
+        """Drain as on SIGTERM (unless signal() was called), let uvicorn shut down, join its thread,
+        and give the engines back; the last line of log() is then serve's `stopped` line. Idempotent."""
         from specrun.cli.server.lifecycle import ended
 
         if self._stopped:
@@ -272,7 +281,8 @@ class InProcessServer(Handle):
         self._stopped = True
         if getattr(self, "http", None) is not None:
             self.http.close()
-        self.server.handle_exit(signal.SIGTERM, None)
+        if not self._signals:
+            self.signal()
         self.thread.join(STOP_TIMEOUT)
         self.loader.join(STOP_TIMEOUT)
         alive = self.thread.is_alive() or self.loader.is_alive()
