@@ -4,10 +4,14 @@ For every spec type, greedy and seeded sampling at temperature 0.8 (sample-and-m
 verification), n-max in {1, 3, 8, 15}, prompts shorter and longer than 256 tokens, forced through
 both branches: a drafter that is always right (the target itself / an exact MTP head / an oracle)
 and one that is always wrong (shifted ids / a random MTP head).
+
+`make test` runs a few cells of each grid on the real models, together covering both models, both
+prompts, both temperatures and n-max 3 and 15; the rest of the grid is its tail (`make test-full`).
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +28,8 @@ pytestmark = pytest.mark.slow
 
 N_MAX = (1, 3, 8, 15)
 TEMPS = (0.0, 0.8)
+MODELS = ("gemma", "smollm")
 FULL = pytest.mark.full      # the grid's tail: `make test-full`
-# n-max 3 (the default) and 15 (the longest) in `make test`; 1 and 8 in `make test-full`
-N_MAX_GRID = (pytest.param(1, marks=FULL), 3, pytest.param(8, marks=FULL), 15)
-# an always-wrong draft costs n-max draft decodes per token: n-max 3 in `make test`, the rest in the tail
-N_MAX_WRONG = (pytest.param(1, marks=FULL), 3, pytest.param(8, marks=FULL), pytest.param(15, marks=FULL))
 N_GEN = 32
 SEED = 1234
 
@@ -38,8 +39,15 @@ PROMPTS = {
     "short": "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
              "Rewrite the function above exactly:\n\ndef fib(n):\n",
     # over 256 tokens: flash attention's split-KV path would differ without exact mode
-    "long": "Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE[:300],
+    "long": "Copy this file verbatim.\n\n" + _CODE[:800] + "\n\nCopy:\n\n" + _CODE[:300],
 }
+
+
+def grid(*axes, keep) -> list:
+    """Every combination of the axes (the first: the model, for the `target` fixture), those for
+    which keep(*cell) is false marked `full`."""
+    return [pytest.param(*cell, id="-".join(map(str, cell)), marks=() if keep(*cell) else FULL)
+            for cell in itertools.product(*axes)]
 
 
 def sampling(temp: float) -> SamplingParams:
@@ -78,23 +86,44 @@ class Target:
         return self._self_draft
 
 
-@pytest.fixture(scope="module", params=["gemma", "smollm"])
-def target(request, gemma_path, smollm_path):
-    t = Target(gemma_path if request.param == "gemma" else smollm_path)
-    yield t
-    t.engine.close()
+@pytest.fixture(scope="module")
+def targets(gemma_path, smollm_path):
+    """model name -> Target, each loaded once for the module when a test first names it."""
+    paths, loaded = {"gemma": gemma_path, "smollm": smollm_path}, {}
+
+    def get(model: str) -> Target:
+        if model not in loaded:
+            loaded[model] = Target(paths[model])
+        return loaded[model]
+
+    yield get
+    for t in loaded.values():
+        if t._self_draft is not None:
+            t._self_draft.close()
+        t.engine.close()
 
 
+@pytest.fixture
+def target(request, targets) -> Target:
+    """The model named by the test's `target` parameter (indirect)."""
+    return targets(request.param)
+
+
+@pytest.mark.parametrize("target", MODELS, indirect=True)
 def test_prompts_cover_both_sides_of_256(target):
     assert len(target.prompts["short"]) < 256 < len(target.prompts["long"])
 
 
-@pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("size_n, size_m, match", [
-    pytest.param(2, 2, "last", marks=FULL), (2, 5, "last"), pytest.param(2, 16, "last", marks=FULL),
-    pytest.param(3, 48, "last", marks=FULL), (2, 16, "longest"), pytest.param(3, 16, "longest", marks=FULL)])
-def test_ngram_simple_equals_plain(target, prompt, temp, size_n, size_m, match):
+# make test: llama.cpp's rule (the last occurrence) on SmolLM2, auto's (the longest match) on Gemma,
+# on the long copy task (where n-grams draft most), greedy and seeded
+@pytest.mark.parametrize("target, size_n, size_m, match, prompt, temp", [
+    pytest.param(model, n, m, match, prompt, temp, id=f"{model}-{n}-{m}-{match}-{prompt}-{temp}",
+                 marks=() if prompt == "long" and (model, n, m, match) in (("smollm", 2, 5, "last"),
+                                                                           ("gemma", 2, 16, "longest")) else FULL)
+    for model in MODELS for n, m, match in ((2, 2, "last"), (2, 5, "last"), (2, 16, "last"), (3, 48, "last"),
+                                            (2, 16, "longest"), (3, 16, "longest"))
+    for prompt in sorted(PROMPTS) for temp in TEMPS], indirect=["target"])
+def test_ngram_simple_equals_plain(target, size_n, size_m, match, prompt, temp):
     """n-gram drafts are copies of size_n..size_m tokens (llama.cpp: --spec-draft-n-max does not bound them),
     from the last earlier occurrence (llama.cpp's) or the longest-matching one (auto's)."""
     got, _ = run(target.engine, target.prompts[prompt], temp,
@@ -102,6 +131,7 @@ def test_ngram_simple_equals_plain(target, prompt, temp, size_n, size_m, match):
     assert got == target.plain(prompt, temp)
 
 
+@pytest.mark.parametrize("target", ["gemma", pytest.param("smollm", marks=FULL)], indirect=True)
 def test_ngram_simple_drafts_and_accepts_on_copying(target):
     """The branch that accepts is really taken (greedy copy of a long file), with drafts longer
     than --spec-draft-n-max: size_m bounds an n-gram draft, as in llama.cpp."""
@@ -112,10 +142,16 @@ def test_ngram_simple_drafts_and_accepts_on_copying(target):
     assert len(st.drafters[0].acc_per_pos) > 3 and st.drafters[0].acc_per_pos[3] > 0
 
 
-@pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("n_max", N_MAX_GRID)
-def test_draft_self_equals_plain(target, prompt, temp, n_max):
+# make test: both models, both prompts, both temperatures, n-max 3 and 15, in four cells (Gemma
+# on the long prompt: past 256 tokens, with its sliding-window layers)
+SELF_CELLS = {("gemma", 15, "long", 0.0), ("gemma", 3, "long", 0.8), ("smollm", 3, "short", 0.0),
+              ("smollm", 15, "short", 0.8)}
+
+
+@pytest.mark.parametrize("target, n_max, prompt, temp",
+                         grid(MODELS, N_MAX, sorted(PROMPTS), TEMPS, keep=lambda *c: c in SELF_CELLS),
+                         indirect=["target"])
+def test_draft_self_equals_plain(target, n_max, prompt, temp):
     """The target as its own draft model: greedy accepts every draft token."""
     got, st = run(target.engine, target.prompts[prompt], temp, spec=spec(n_max=n_max),
                   drafters=[target.self_draft()])
@@ -126,23 +162,35 @@ def test_draft_self_equals_plain(target, prompt, temp, n_max):
         assert st.drafters[0].n_acc_drafts == st.drafters[0].n_gen_drafts
 
 
-@pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("n_max", N_MAX_WRONG)
-def test_draft_always_wrong_equals_plain(target, prompt, temp, n_max):
-    wrong = ShiftedDraft(target.self_draft(), target.engine.model.n_vocab)
-    # every token costs n_max draft decodes here: a shorter run keeps the suite within CI's time
+# make test: plain's own text shifted (no draft decodes) on both models, Gemma on the long prompt
+# and SmolLM2 on the short one, greedy and seeded; the target drafting for itself, shifted, once
+WRONG_CELLS = {("oracle", "gemma", 3, "long", 0.0), ("oracle", "gemma", 3, "long", 0.8),
+               ("oracle", "smollm", 3, "short", 0.0), ("oracle", "smollm", 3, "short", 0.8),
+               ("self", "smollm", 3, "short", 0.0)}
+
+
+@pytest.mark.parametrize("inner, target, n_max, prompt, temp",
+                         grid(("oracle", "self"), MODELS, N_MAX, sorted(PROMPTS), TEMPS,
+                              keep=lambda *c: c in WRONG_CELLS), indirect=["target"])
+def test_draft_always_wrong_equals_plain(target, inner, n_max, prompt, temp):
+    """Every draft token shifted by one id: plain decoding's own next tokens (never the token
+    sampled there, at any temperature) or the target's own drafts (a draft model's state rolled
+    back after every pass)."""
+    ref, n_prompt = target.plain(prompt, temp), len(target.prompts[prompt])
+    inside = OracleDraft(ref, n_prompt) if inner == "oracle" else target.self_draft()
+    wrong = ShiftedDraft(inside, target.engine.model.n_vocab)
+    # every token costs n_max draft decodes with the target's drafts: a shorter run keeps the suite within CI's time
     got, st = run(target.engine, target.prompts[prompt], temp, n_gen=16, spec=spec(n_max=n_max), drafters=[wrong])
-    assert got == target.plain(prompt, temp)[:16]
+    assert got == ref[:16]
     assert st.n_drafted > 0
-    if temp == 0.0:
+    if temp == 0.0 or inner == "oracle":
         assert st.n_accepted == 0
         assert st.n_target_passes == len(got) - 1
 
 
-@pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("n_max", N_MAX_GRID)
-def test_oracle_accepts_everything_when_sampling(target, temp, n_max):
+@pytest.mark.parametrize("target, n_max, temp", grid(MODELS, N_MAX, TEMPS, keep=lambda m, n, t: n == 15),
+                         indirect=["target"])
+def test_oracle_accepts_everything_when_sampling(target, n_max, temp):
     """A drafter that proposes plain decoding's own seeded output is accepted in full at any
     temperature: position-keyed draws make the verifier's samples equal plain sampling."""
     ref = target.plain("long", temp)
@@ -153,7 +201,8 @@ def test_oracle_accepts_everything_when_sampling(target, temp, n_max):
     assert st.n_accepted == st.n_drafted > 0
 
 
-@pytest.mark.parametrize("n_max", (3, 15))
+@pytest.mark.parametrize("target, n_max", grid(MODELS, (3, 15), keep=lambda m, n: (m, n) == ("gemma", 15)),
+                         indirect=["target"])
 def test_default_verify_auto_greedy_equals_plain(target, n_max):
     """The defaults a user gets (--spec-verify auto) at temperature 0: drafts from a model with a
     distribution are verified by sample-and-match, so the text equals plain decoding."""
@@ -177,8 +226,11 @@ def mtp_models(tmp_path_factory):
             for head in ("exact", "random", "noisy:0.3")}
 
 
-@pytest.mark.parametrize("head", ["exact", "random"])
-def test_draft_mtp_equals_plain(mtp_models, head):
+# make test: n-max 3 and 15 for both heads; 1 and 8 in the tail
+@pytest.mark.parametrize("head, n_maxes", [
+    pytest.param(head, n_maxes, id=f"{head}-{'-'.join(map(str, n_maxes))}", marks=() if 15 in n_maxes else FULL)
+    for head in ("exact", "random") for n_maxes in ((3, 15), (1, 8))])
+def test_draft_mtp_equals_plain(mtp_models, head, n_maxes):
     path = str(mtp_models[head])
     prompts = {"short": "Hello world, this is a test.", "long": "the quick brown fox jumps over the lazy dog " * 40}
     with Engine(path, EngineParams(n_ctx=2048, spec=spec(("draft-mtp",)))) as e:
@@ -187,7 +239,7 @@ def test_draft_mtp_equals_plain(mtp_models, head):
         for name, prompt in toks.items():
             for temp in TEMPS:
                 plain, _ = run(e, prompt, temp, spec=spec())
-                for n_max in N_MAX:
+                for n_max in n_maxes:
                     got, st = run(e, prompt, temp, spec=spec(("draft-mtp",), n_max))
                     assert got == plain, (name, temp, n_max)
                     assert st.n_drafted > 0
@@ -232,7 +284,7 @@ def run_lp(engine: Engine, prompt: np.ndarray, temp: float, n_gen: int, **kw):
     return toks, gen.stats, [(lp.token, lp.logprob, tuple(lp.top)) for lp in gen.logprobs]
 
 
-@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("temp", (0.0, pytest.param(0.8, marks=FULL)))
 def test_hybrid_rollback_depth_follows_the_drafts_and_the_text_stays_plain(mtp_models, temp):
     """A hybrid model's context keeps recurrent-state snapshots only for the drafters that read its
     rows (MTP: as many as their longest draft), since every decode writes them: none and the n-gram
@@ -261,8 +313,8 @@ def test_hybrid_rollback_depth_follows_the_drafts_and_the_text_stays_plain(mtp_m
         assert run(e, prompt, temp, 96)[0] == plain
 
 
-@pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("depth", [0, 3])
+@pytest.mark.parametrize("depth, temp", [(0, 0.8), (3, 0.0), pytest.param(0, 0.0, marks=FULL),
+                                         pytest.param(3, 0.8, marks=FULL)])
 def test_hybrid_checkpoint_restore_replays_to_plain(mtp_models, temp, depth):
     """n-gram drafts longer than a hybrid model's snapshots (0, or 3 left by draft-mtp) are verified
     behind a checkpoint of its recurrent state; a partial accept past the snapshots restores it and
@@ -290,7 +342,7 @@ def test_hybrid_checkpoint_restore_replays_to_plain(mtp_models, temp, depth):
         assert e.ctx.params.n_rs_seq == depth
 
 
-@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("temp", (0.0, pytest.param(0.8, marks=FULL)))
 def test_hybrid_draft_model_rolls_back_through_its_checkpoint(mtp_models, temp, caplog):
     """draft-simple with a hybrid draft model (the target itself) on a hybrid target: both roll their
     rejected tokens back through checkpoints, never by starting over. Always right (the target as its
