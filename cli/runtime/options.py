@@ -143,7 +143,7 @@ def model_options(f=None, *, default: str = "gemma-3-270m"):
     @click.option("-ub", "--ubatch-size", "ubatch_size", type=click.IntRange(1), default=None,
                   help=f"physical batch size (accepted; the engine uses llama.cpp's {UBATCH_DEFAULT})")
     @click.option("-t", "--threads", "threads", type=click.IntRange(0, MAX_THREADS), default=0,
-                  help="CPU threads (default: all cores)")
+                  help="CPU threads (default: the cores other work leaves idle)")
     @click.option("-tb", "--threads-batch", "threads_batch", type=int, default=None,
                   help="threads for prompt processing (accepted; the engine uses -t's)")
     @click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", callback=_gpu_layers, default=None,
