@@ -52,11 +52,9 @@ def test_c_loop_drafts_what_the_python_loop_drafts(engines, kind, monkeypatch):
     sp = SpecParams(types=(kind,), n_max=6, verify="match")
     real, calls = llama._draftloop, []
     spy = SimpleNamespace(chain=lambda *a: (calls.append(a[7]), real.chain(*a))[1])
-    with Engine(path, replace(params, spec=sp)) as plain_engine:
-        prompt = plain_engine.tokenize(PROMPT)
-        plain = [t for ts in plain_engine.generate(prompt, N_GEN, SamplingParams(temp=0.0), spec=SpecParams())
-                 for t in ts]
     with Engine(path, replace(params, spec=sp)) as e:
+        prompt = e.tokenize(PROMPT)
+        plain = [t for ts in e.generate(prompt, N_GEN, SamplingParams(temp=0.0), spec=SpecParams()) for t in ts]
         drafter = e.drafters[0]
         propose, drafts = drafter.propose, []
         drafter.propose = lambda ctx, n_max: (d := propose(ctx, n_max), drafts.append(d.tokens.tolist()))[0]
