@@ -301,11 +301,11 @@ def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(s
     from specrun.kernels.params import EngineParams, SpecParams
     from specrun.kernels.types import SamplingParams
 
-    code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:1200]
+    code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:700]
     greedy = SamplingParams(temp=0.0)
     with Engine(str(smollm_path), EngineParams(n_ctx=2048)) as e:
         e.pass_cost = FixedCost()
-        prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:200])
+        prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:120])
 
         def run(spec, drafters=None):
             gen = e.generate(prompt, 96, greedy, spec=spec, drafters=drafters)
@@ -344,11 +344,11 @@ def test_adaptive_ngram_drafter_is_held_back_when_wrong_and_output_unchanged(smo
     from specrun.kernels.params import EngineParams, SpecParams
     from specrun.kernels.types import SamplingParams
 
-    code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:1200]
+    code = (Path(__file__).parent / "data" / "copy_source.txt").read_text()[:700]
     greedy = SamplingParams(temp=0.0)
     with Engine(str(smollm_path), EngineParams(n_ctx=2048)) as e:
         e.pass_cost = FixedCost()
-        prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:200])
+        prompt = e.tokenize("Copy this file verbatim.\n\n" + code + "\n\nCopy:\n\n" + code[:120])
         plain = [t for c in e.generate(prompt, 64, greedy) for t in c]
         spec = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16, verify="match", adaptive=True)
         wrong = ShiftedDraft(NgramSimple(3, 16, 1), e.model.n_vocab)

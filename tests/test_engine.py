@@ -94,27 +94,29 @@ def test_second_generation_reuses_the_cache_and_says_so_to_begin(engine):
 
 
 def test_cancel_stops_a_long_prompt_between_chunks(engine):
-    """The exact path (--no-fast-prefill) polls after every 512-token chunk; the fast prompt path
-    between its blocks and then after each chunk of the rest (tests/test_prefill.py)."""
-    prompt = engine.tokenize("alpha beta gamma delta " * 400)[:1500]
-    assert len(prompt) > 2 * 512
-    with Engine(engine.model.path, EngineParams(n_ctx=2048, n_batch=2048, fast_prefill=False),
+    """The exact path (--no-fast-prefill) polls after every chunk of n_ubatch tokens (512, or -b
+    when smaller: 128 here, so that a short prompt has three chunks); the fast prompt path between
+    its blocks and then after each chunk of the rest (tests/test_prefill.py)."""
+    prompt = engine.tokenize("alpha beta gamma delta " * 400)[:600]
+    assert len(prompt) > BLOCK
+    with Engine(engine.model.path, EngineParams(n_ctx=2048, n_batch=128, fast_prefill=False),
                 model=engine.model) as exact:
+        assert exact.ctx.n_ubatch == 128
         polls = []
 
         def cancel() -> bool:
             polls.append(len(exact.kv_tokens))
             return len(polls) >= 2
 
-        gen = exact.generate(prompt, 8, GREEDY, cancel=cancel)
+        gen = exact.generate(prompt[:300], 8, GREEDY, cancel=cancel)
         assert list(gen) == []
         assert gen.stats.stop == "interrupted" and gen.stats.n_gen == 0
-        assert polls == [512, 1024] and len(exact.kv_tokens) == 1024      # stopped after the 2nd of 3 chunks
+        assert polls == [128, 256] and len(exact.kv_tokens) == 256       # stopped after the 2nd of 3 chunks
         # the chunks evaluated stay in the cache: the retry evaluates only the rest
-        gen = exact.generate(prompt, 2, GREEDY)
+        gen = exact.generate(prompt[:300], 2, GREEDY)
         list(gen)
-        assert gen.stats.n_prompt == len(prompt) - 1024
-    # the fast path: the first poll is between its two blocks (nothing in the exact context yet)
+        assert gen.stats.n_prompt == 300 - 256
+    # the fast path: the first poll is between its two blocks (512 and 64; nothing in the exact context yet)
     engine.reset()
     engine.fast.close()
     polls = []
@@ -179,7 +181,7 @@ def test_ngram_drafts_are_bounded_by_size_m_not_n_max(engine):
 
 
 def test_verbose_shows_llama_cpp_log(smollm_path):
-    base = [sys.executable, "-m", "specrun.cli.main", "-m", str(smollm_path), "-p", "Hi", "-n", "2", "--temp", "0"]
+    base = [sys.executable, "-m", "specrun.cli.main", "-m", str(smollm_path), "-p", "Hi", "-n", "2", "--temp", "0", "-no-cnv"]
     quiet = subprocess.run(base, capture_output=True, text=True, timeout=120)
     loud = subprocess.run([*base, "-v"], capture_output=True, text=True, timeout=120)
     assert quiet.returncode == loud.returncode == 0

@@ -22,7 +22,7 @@ from specrun.kernels.engine import Engine
 from specrun.kernels.kvstate import KVStateError, hadamard, quantize_k, quantize_q8_0
 from specrun.kernels.llama import LlamaError, Model
 from specrun.kernels.params import EngineParams, SpecParams
-from specrun.kernels.prefill import BLOCK, MIN_BLOCK, fast_blocks, fast_len
+from specrun.kernels.prefill import BLOCK, MIN_BLOCK, MIN_PROMPT, fast_blocks, fast_len
 from specrun.kernels.types import SamplingParams
 
 _CODE = (Path(__file__).parent / "data" / "copy_source.txt").read_text()
@@ -157,7 +157,12 @@ def engines(request, gemma_path, smollm_path):
     slow = Engine(path, EngineParams(n_ctx=2048, fast_prefill=False))
     text = "Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE
     toks = fast.tokenize(text)
-    prompts = {"two_blocks": toks[:1100], "one_block": toks[:700], "short": toks[:300], "tiny": toks[:100]}
+    # the shortest prompts that show each property: "short" (256 + 44) crosses MIN_PROMPT,
+    # "block_and_more" (512 + 64 + 24) has a block after the first BLOCK, "copy" (about 300) is a copy task
+    prompts = {"two_blocks": toks[:1100], "one_block": toks[:700], "block_and_more": toks[:600], "short": toks[:300],
+               "tiny": toks[:100],
+               "copy": fast.tokenize("Copy this file verbatim.\n\n" + _CODE[:800] + "\n\nCopy:\n\n" + _CODE[:150])}
+    assert len(prompts["copy"]) >= MIN_PROMPT
     yield fast, slow, prompts
     fast.close()
     slow.close()
@@ -168,8 +173,8 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     fast, slow, P = engines
     fast.reset()
     fast.fast.close()
-    _, _, st = _run(fast, P["two_blocks"], 4)
-    assert (st.n_prompt_fast, st.n_prompt) == (1100, 1100) and st.fast_kv_mib > 0   # its tail too
+    _, _, st = _run(fast, P["short"], 4)
+    assert (st.n_prompt_fast, st.n_prompt) == (300, 300) and st.fast_kv_mib > 0     # its tail too
     assert "through the fast prompt context" in st.lines()[0]
     # over the model's repacked twin, shared by every engine over that model (server slots)
     # (the model itself when nothing in the file is repacked on this CPU: SmolLM2's Q4_1 on x86)
@@ -183,11 +188,11 @@ def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
         assert other.fast.weights is None
         other.start_prefill()                      # a server's slot: the twin at load, not at a prompt
         assert other.fast.weights is fast.fast.weights
-        _run(other, P["two_blocks"], 1)
+        _run(other, P["short"], 1)
         assert other.fast.weights is fast.fast.weights
     finally:
         other.close()
-    _, _, st = _run(slow, P["two_blocks"], 4)
+    _, _, st = _run(slow, P["short"], 4)
     assert st.n_prompt_fast == 0 and slow.fast is None
     fast.reset()
     _, _, st = _run(fast, P["tiny"], 4)                             # under MIN_PROMPT (256) tokens: never
@@ -246,7 +251,7 @@ def test_result_depends_on_the_tokens_only(engines):
 def test_spec_equals_none_through_the_hand_over(engines, sampling):
     """Both branches: the target as its own draft (always right at temp 0) and n-grams on a copy."""
     fast, _, P = engines
-    prompt = P["two_blocks"]
+    prompt = P["copy"]
     fast.reset()
     plain = _run(fast, prompt, 40, sampling, spec=SpecParams(verify="match"))[0]
     ngram = _run(fast, prompt, 40, sampling, spec=SpecParams(types=("ngram-simple",), ngram_size_n=3,
@@ -267,7 +272,7 @@ def test_spec_equals_none_through_the_hand_over(engines, sampling):
 @pytest.mark.slow
 def test_a_state_that_cannot_be_handed_over_falls_back(engines, monkeypatch, caplog):
     fast, slow, P = engines
-    prompt = P["one_block"]
+    prompt = P["short"]
     want = _run(slow, prompt)[:2]
     e = Engine(fast.model.path, fast.params, model=fast.model)
     try:
@@ -295,12 +300,12 @@ def test_a_twin_that_does_not_load_keeps_the_exact_weights(engines, monkeypatch,
     e = Engine(fast.model.path, fast.params, model=fast.model)
     try:
         with caplog.at_level(logging.WARNING, logger="specrun.kernels.prefill"):
-            toks, _, st = _run(e, P["one_block"], 8)
-        assert e.fast.weights is fast.model and st.n_prompt_fast == 700 and st.fast_weights_mib == 0
+            toks, _, st = _run(e, P["short"], 8)
+        assert e.fast.weights is fast.model and st.n_prompt_fast == 300 and st.fast_weights_mib == 0
         assert "repacked weights" not in st.lines()[0]
         assert sum("keeps the weights not repacked" in r.message for r in caplog.records) == 1
         e.reset()
-        assert _run(e, P["one_block"], 8)[0] == toks
+        assert _run(e, P["short"], 8)[0] == toks
     finally:
         e.close()
 
@@ -308,7 +313,7 @@ def test_a_twin_that_does_not_load_keeps_the_exact_weights(engines, monkeypatch,
 @pytest.mark.slow
 def test_cancel_between_blocks_then_retry(engines):
     fast, _, P = engines
-    prompt = P["two_blocks"]
+    prompt = P["block_and_more"]
     fast.reset()
     ref = _run(fast, prompt)[:2]
     fast.reset()
