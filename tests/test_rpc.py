@@ -208,77 +208,113 @@ def test_worker_refuses_a_port_in_use_and_warns_off_loopback(tmp_path, workers):
         w.kill()
 
 
+def in_process(*args: str) -> subprocess.CompletedProcess:
+    """`specrun ARGS` through click's CliRunner, as a CompletedProcess (for refusals made before
+    llama.cpp is asked for anything)."""
+    from click.testing import CliRunner
+
+    from specrun.cli.main import cli
+
+    r = CliRunner().invoke(cli, list(args))
+    return subprocess.CompletedProcess([SPECRUN, *args], r.exit_code, r.stdout, r.stderr)
+
+
 def test_client_errors_are_one_line(workers):
     dead = free_port()
     one_line_error(specrun("-m", MODEL, "-p", "hi", "-n", "4", "--rpc", f"127.0.0.1:{dead}"),
                    f"cannot reach RPC worker 127.0.0.1:{dead}")
-    one_line_error(specrun("-m", MODEL, "-p", "hi", "-n", "4", "--rpc", ",".join(w.endpoint for w in workers),
-                           "--tensor-split", "1,2,3"), "3 values for 2 --rpc workers")
-    one_line_error(specrun("-m", MODEL, "-p", "hi", "-n", "4", "--tensor-split", "1,1"), "needs --rpc")
-    one_line_error(specrun("-m", MODEL, "-p", "hi", "-n", "4", "--rpc", "127.0.0.1"), "expected HOST:PORT")
+    one_line_error(in_process("-m", MODEL, "-p", "hi", "-n", "4", "--rpc", ",".join(w.endpoint for w in workers),
+                              "--tensor-split", "1,2,3"), "3 values for 2 --rpc workers")
+    one_line_error(in_process("-m", MODEL, "-p", "hi", "-n", "4", "--tensor-split", "1,1"), "needs --rpc")
+    one_line_error(in_process("-m", MODEL, "-p", "hi", "-n", "4", "--rpc", "127.0.0.1"), "expected HOST:PORT")
 
 
 # ---- every spec type over RPC == local none ----------------------------------------------------
 
 
 def generate(model: str, prompt: str, *args: str, n: int = 48, seed: str | None = None) -> str:
+    """`specrun run`'s text for this model, prompt and sampling."""
     # seeded: sample-and-match (auto would verify model drafts by speculative sampling: the same
     # distribution, another sample than plain decoding's)
     sampling = ["--temp", "0"] if seed is None else ["--temp", "0.8", "--seed", seed, "--spec-verify", "match"]
-    r = specrun("-m", model, "-p", prompt, "-n", str(n), "-c", "1024", "-t", "1", "--ignore-eos", *sampling, *args)
+    r = specrun("-m", model, "-p", prompt, "-n", str(n), "-c", "1024", "-t", "1", "--ignore-eos", "-no-cnv", *sampling, *args)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
 
 @pytest.fixture(scope="module")
-def synthetic(tmp_path_factory) -> dict[str, tuple[Path, ...]]:
+def synthetic(tmp_path_factory):
+    """name -> (target, draft) files of the synthetic models, each written when a test first asks."""
     d = tmp_path_factory.mktemp("rpc-models")
-    mtp = d / "mtp.gguf"
-    r = specrun("make-test-model", str(mtp), "--head", "noisy:0.1", "--quant", "q8_0")   # partial acceptance
-    assert r.returncode == 0, r.stderr
-    r = specrun("extract-mtp", str(mtp), "-o", str(d / "heads.gguf"))   # -md heads: drafting stays local
-    assert r.returncode == 0, r.stderr
-    return {"mtp": (mtp, d / "heads.gguf"), "eagle3": write_eagle3_pair(d / "e3-target.gguf", d / "e3-draft.gguf", EAGLE3_TINY, "q8_0")}
+
+    def mtp() -> tuple[Path, ...]:
+        path = d / "mtp.gguf"
+        r = specrun("make-test-model", str(path), "--head", "noisy:0.1", "--quant", "q8_0")   # partial acceptance
+        assert r.returncode == 0, r.stderr
+        r = specrun("extract-mtp", str(path), "-o", str(d / "heads.gguf"))   # -md heads: drafting stays local
+        assert r.returncode == 0, r.stderr
+        return path, d / "heads.gguf"
+
+    makers = {"mtp": mtp,
+              "eagle3": lambda: write_eagle3_pair(d / "e3-target.gguf", d / "e3-draft.gguf", EAGLE3_TINY, "q8_0")}
+    made: dict[str, tuple[Path, ...]] = {}
+
+    def get(model: str) -> tuple[Path, ...] | None:
+        if model in makers and model not in made:
+            made[model] = makers[model]()
+        return made.get(model)
+
+    return get
 
 
-def case(name: str, model: str, flags: tuple[str, ...], *, full: bool = False):
-    """One spec type of the grid; full: in its tail, which `make test-full` runs."""
-    return pytest.param(name, model, flags, id=name, marks=pytest.mark.full if full else ())
+_local: dict[tuple, str] = {}
 
 
-CASES = [   # (name, model, extra flags); n-gram drafts need a prompt that repeats
-    case("none", MODEL, ("--spec-type", "none")),
-    case("ngram-simple", MODEL, ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
-                                 "--spec-ngram-simple-size-m", "16")),
-    case("ngram-mod", MODEL, ("--spec-type", "ngram-mod"), full=True),
-    case("draft", MODEL, ("--spec-type", "draft", "-md", MODEL, "--spec-draft-n-max", "4"), full=True),
-    case("draft-mtp", "mtp", ("--spec-type", "draft-mtp", "--spec-draft-n-max", "3")),
-    case("draft-mtp -md heads", "mtp", ("--spec-type", "draft-mtp", "-md", "{draft}", "--spec-draft-n-max", "3"),
-         full=True),
-    case("draft-eagle3", "eagle3", ("--spec-type", "draft-eagle3", "-md", "{draft}", "--spec-draft-n-max", "4")),
-]
+def local_none(path: str, prompt: str, seed: str | None) -> str:
+    """Local `none`'s text, once per model, prompt and seed for the module. Over RPC the fast
+    prompt path is off (its state copy would cross the network): locally too."""
+    key = (path, prompt, seed)
+    if key not in _local:
+        _local[key] = generate(path, prompt, "--spec-type", "none", "--no-fast-prefill", seed=seed)
+        assert _local[key].strip()
+    return _local[key]
 
 
+CASES = {   # name -> (model, extra flags); n-gram drafts need a prompt that repeats
+    "none": (MODEL, ("--spec-type", "none")),
+    "ngram-simple": (MODEL, ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                             "--spec-ngram-simple-size-m", "16")),
+    "ngram-mod": (MODEL, ("--spec-type", "ngram-mod")),
+    "draft": (MODEL, ("--spec-type", "draft", "-md", MODEL, "--spec-draft-n-max", "4")),
+    "draft-mtp": ("mtp", ("--spec-type", "draft-mtp", "--spec-draft-n-max", "3")),
+    "draft-mtp -md heads": ("mtp", ("--spec-type", "draft-mtp", "-md", "{draft}", "--spec-draft-n-max", "3")),
+    "draft-eagle3": ("eagle3", ("--spec-type", "draft-eagle3", "-md", "{draft}", "--spec-draft-n-max", "4")),
+}
+PROMPTS = {"short": "Write a short story about a fox.", "long": LONG}
+
+
+# make test: ngram-simple, greedy, on the long prompt (past 256 tokens, and it repeats, so drafts are
+# verified over RPC); every other spec type, seeded sampling and the short prompt are the grid's tail
 @pytest.mark.slow
-@pytest.mark.parametrize("name, model, flags", CASES)
-@pytest.mark.parametrize("seed", [None, pytest.param("7", marks=pytest.mark.full)], ids=["greedy", "seeded"])
-def test_every_spec_type_over_two_workers_equals_local_none(workers, synthetic, name, model, flags, seed):
-    files = synthetic.get(model)
+@pytest.mark.parametrize("name, seed, prompt", [
+    pytest.param(name, seed, prompt, id=f"{'greedy' if seed is None else 'seeded'}-{name}-{prompt}",
+                 marks=() if (name, seed, prompt) == ("ngram-simple", None, "long") else pytest.mark.full)
+    for seed in (None, "7") for name in CASES for prompt in PROMPTS])
+def test_every_spec_type_over_two_workers_equals_local_none(workers, synthetic, name, seed, prompt):
+    model, flags = CASES[name]
+    files = synthetic(model)
     path = str(files[0]) if files else model
     flags = tuple(str(files[1]) if f == "{draft}" else f for f in flags)
     rpc_flags = ("--rpc", ",".join(w.endpoint for w in workers), "--tensor-split", "1,2")
-    for prompt in ("Write a short story about a fox.", LONG):
-        # over RPC the fast prompt path is off (its state copy would cross the network): locally too
-        local = generate(path, prompt, "--spec-type", "none", "--no-fast-prefill", seed=seed)
-        assert local.strip()
-        assert generate(path, prompt, *flags, *rpc_flags, seed=seed) == local, (name, prompt[:20])
+    local = local_none(path, PROMPTS[prompt], seed)
+    assert generate(path, PROMPTS[prompt], *flags, *rpc_flags, seed=seed) == local, (name, prompt)
 
 
 # ---- a worker lost mid-generation ------------------------------------------------------------------
 
 
 def _long_run(endpoints: str) -> subprocess.Popen:
-    return subprocess.Popen([SPECRUN, "-m", MODEL, "-p", "Count from one to one thousand:", "-n", "3000",
+    return subprocess.Popen([SPECRUN, "-m", MODEL, "-no-cnv", "-p", "Count from one to one thousand:", "-n", "3000",
                              "--ignore-eos", "--temp", "0", "-c", "4096", "-t", "1", "--rpc", endpoints],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
