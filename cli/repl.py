@@ -8,10 +8,12 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from specrun.gguf_spec.errors import SpecrunError
-from specrun.kernels.engine import resolve_seed
+from specrun.kernels.engine import Engine, resolve_seed
 from specrun.kernels.types import LLAMA_DEFAULT_SEED
 
 from .runtime.auto import resolve_auto
@@ -25,7 +27,8 @@ HELP = """\
 /stats         statistics of the last answer and of the session
 /spec TYPE     switch the speculative decoding type (none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod,
                ngram-cache, draft, draft-eagle3, draft-mtp; comma-separated)
-/reset         forget the conversation (keeps the system prompt)
+/regen         drop the last answer and generate it again (sampling: from a new seed)
+/clear         forget the conversation, keep the system prompt (also /reset)
 /save FILE     write the conversation as JSON
 /load FILE     replace the conversation with one saved by /save
 /exit          leave (also Ctrl-D)
@@ -133,7 +136,7 @@ def _command(session: ChatSession, line: str) -> bool:
             _say(f"spec type: {','.join(session.engine.params.spec.types) or 'none'}")
         else:
             _say(f"spec type: {session.set_spec(arg)}")
-    elif name == "/reset":
+    elif name in ("/clear", "/reset"):
         session.reset()
         _say("conversation cleared")
     elif name in ("/save", "/load"):
@@ -154,10 +157,19 @@ def _dropped(n: int) -> None:
     _say(f"context full: dropped the oldest {n} turn(s) to make room; /reset starts over", style="yellow")
 
 
-def _answer(session: ChatSession, text: str, quiet: bool) -> None:
+def _regen(session: ChatSession, quiet: bool) -> None:
+    """/regen: the last answer dropped and generated again; when sampling, from a new seed (said)."""
+    if not session.sampling.greedy:
+        session.sampling = resolve_seed(replace(session.sampling, seed=LLAMA_DEFAULT_SEED))
+        _say(f"sampler seed: {session.sampling.seed}", style="dim")
+    _answer(session, lambda: session.regen(on_dropped=_dropped), quiet)
+
+
+def _answer(session: ChatSession, send: Callable[[], Iterator[str]], quiet: bool) -> None:
+    """Stream one answer (send(): the session's iterator of its pieces) to stdout, then its line."""
     before = session.last
     with SoftInterrupt() as intr:
-        it = session.send(text, on_dropped=_dropped)
+        it = send()
         try:
             for piece in it:
                 sys.stdout.write(piece)
@@ -182,9 +194,19 @@ def _answer(session: ChatSession, text: str, quiet: bool) -> None:
 
 
 def chat_loop(options: RunOptions) -> None:
-    """The REPL of `specrun chat` and `specrun -cnv` (options.chat: how the conversation starts).
-    One random seed (printed before the first answer) serves the whole session, so a sampled
-    conversation can be replayed with --seed."""
+    """The REPL of `specrun chat` and `specrun -cnv` (options.chat: how the conversation starts):
+    loads the model and its chat format, then converse()."""
+    conv = options.chat
+    assert conv is not None
+    with open_engine(options.model, options.params) as engine:
+        converse(options, engine, ChatFormat.load(engine.model, conv.chat_template, conv.chat_template_file))
+
+
+def converse(options: RunOptions, engine: Engine, fmt: ChatFormat) -> None:
+    """The conversation on a loaded engine: options.chat's first message, if any, then the lines
+    read, until end of input, /exit or (single turn) the first answer. One random seed (printed
+    before the first answer) serves the whole session, so a sampled conversation can be replayed
+    with --seed; /regen draws a new one."""
     conv = options.chat
     assert conv is not None
     sampling, params = options.sampling, options.params
@@ -195,35 +217,39 @@ def chat_loop(options: RunOptions) -> None:
     first = conv.first_message
     interactive = sys.stdin.isatty() and not (conv.single_turn and first is not None)
     quiet = conv.quiet
-    with open_engine(options.model, params) as engine:
-        if params.spec.types == AUTO:
-            with exit_on_interrupt():
-                engine.set_spec(resolve_auto(engine, params.spec, refresh=options.auto_refresh))
-        fmt = ChatFormat.load(engine.model, conv.chat_template, conv.chat_template_file)
-        session = ChatSession(engine, fmt, sampling, options.n_predict, conv.system_prompt)
-        reader = LineReader(interactive)
-        if interactive and not quiet:
-            _say(f"chatting with {Path(engine.model.path).name}; /help for commands, Ctrl-D or /exit to leave",
-                 style="dim")
-        while True:
-            if first is not None:
-                line, first = first, None
+    if params.spec.types == AUTO:
+        with exit_on_interrupt():
+            engine.set_spec(resolve_auto(engine, params.spec, refresh=options.auto_refresh))
+    session = ChatSession(engine, fmt, sampling, options.n_predict, conv.system_prompt)
+    reader = LineReader(interactive)
+    if interactive and not quiet:
+        _say(f"chatting with {Path(engine.model.path).name}; /help for commands, Ctrl-D or /exit to leave",
+             style="dim")
+    while True:
+        given = first is not None       # -p's text is a message, even one that starts with a slash
+        if given:
+            line, first = first, None
+        else:
+            line = reader.read()
+        if line is None:
+            break
+        if not line.strip():
+            if given and conv.single_turn:     # an empty -p: nothing to answer, and no stdin to wait for
+                break
+            continue
+        command = line.startswith("/") and not given
+        try:
+            if command and line.strip() == "/regen":
+                _regen(session, quiet)
+            elif command:
+                if not _command(session, line):
+                    break
             else:
-                line = reader.read()
-            if line is None:
-                break
-            if not line.strip():
-                continue
-            try:
-                if line.startswith("/"):
-                    if not _command(session, line):
-                        break
-                else:
-                    if seed_line:
-                        _say(seed_line, style="dim")
-                        seed_line = None
-                    _answer(session, line, quiet)
-            except SpecrunError as e:        # one line; the session goes on
-                _say(f"error: {e}", style="red")
-            if conv.single_turn and not line.startswith("/"):
-                break
+                if seed_line:
+                    _say(seed_line, style="dim")
+                    seed_line = None
+                _answer(session, lambda text=line: session.send(text, on_dropped=_dropped), quiet)
+        except SpecrunError as e:        # one line; the session goes on
+            _say(f"error: {e}", style="red")
+        if conv.single_turn and not command:
+            break

@@ -37,7 +37,7 @@ def test_greedy_spec_equals_plain_and_the_cli(spec, plain, smollm_path):
     assert a.stats.n_drafted > 0 and a.stats.n_accepted > 0     # the drafter drafted, and was right
     assert (a.text, a.tokens, a.stop) == (b.text, b.tokens, b.stop)
     assert a.stop == "n_predict" and len(a.tokens) == a.stats.n_gen == N
-    r = CliRunner().invoke(cli, ["-m", str(smollm_path), "-p", PROMPT, "-n", str(N), "--temp", "0", "-c", "512",
+    r = CliRunner().invoke(cli, ["-m", str(smollm_path), "-p", PROMPT, "-n", str(N), "--temp", "0", "-c", "512", "-no-cnv",
                                  "--no-escape", "--json"], catch_exceptions=False)
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)

@@ -275,13 +275,66 @@ def test_piped_bad_load_is_one_line_and_the_session_goes_on(tmp_path):
     assert json.loads((tmp_path / "sys.json").read_text()) == {"messages": [{"role": "system", "content": "Be brief."}]}
 
 
-def test_conversation_flag_hands_over_to_chat_with_p_as_system_prompt(tmp_path):
+def test_conversation_flag_takes_p_as_the_first_user_message(tmp_path):
+    """llama-cli: in conversation mode -p is a user message (-sys gives the system message); with
+    -cnv the conversation goes on with stdin's lines after the answer."""
     out = tmp_path / "c.json"
-    r = invoke("-m", "smollm2-135m-instruct", "-cnv", "-p", "You are terse.", input=f"/save {out}\n")
+    r = invoke("-m", "smollm2-135m-instruct", "-cnv", "-p", "Hi", "--temp", "0", "-n", "4", input=f"/save {out}\n")
     assert r.exit_code == 0, r.output
-    assert json.loads(out.read_text()) == {"messages": [{"role": "system", "content": "You are terse."}]}
+    assert r.stdout.startswith("Hello")
+    assert [(m["role"], m["content"]) for m in json.loads(out.read_text())["messages"]] == [
+        ("user", "Hi"), ("assistant", r.stdout.rstrip("\n"))]
+    assert "conversation mode" not in r.stderr             # asked for: nothing to say
     r = invoke("-m", "smollm2-135m-instruct", "-cnv", "--json", input="")
     assert r.exit_code == 2 and "--json and -cnv/--conversation do not go together" in r.stderr
+
+
+CNV_NOTE = ("conversation mode, as SmolLM2-135M-Instruct.Q4_1.gguf has a chat template: the prompt is the first user "
+            "message, then exit (stdin is not a terminal); -no-cnv for a raw completion")
+
+
+@pytest.mark.slow
+def test_a_model_with_a_chat_template_chats_for_p_as_llama_cli(tmp_path):
+    """Without -cnv / -no-cnv, -p to a model with a chat template is the first user message; from a
+    script (stdin not a terminal) one answer, then exit. -no-cnv and --json: a raw completion."""
+    saved = tmp_path / "c.json"
+    args = ("-m", "smollm2-135m-instruct", "-p", "Hi", "--temp", "0", "-n", "8")
+    auto = invoke(*args, input=f"/save {saved}\n")
+    assert auto.exit_code == 0, auto.output
+    assert not saved.exists()                                  # stdin was never read
+    chat = invoke("chat", "-m", "smollm2-135m-instruct", "--temp", "0", "-n", "8", "-q", input="Hi\n")
+    assert auto.stdout == chat.stdout and auto.stdout.startswith("Hello")
+    note, stats = auto.stderr.splitlines()
+    assert note == CNV_NOTE and re.fullmatch(r"\[8 tokens, .* \| prompt 31 new \+ 0 cached \| stopped at -n\]", stats)
+    piped = invoke(*args[:2], "--temp", "0", "-n", "8", input="Hi")   # the prompt on stdin: the same message
+    assert piped.stdout == auto.stdout and piped.stderr.splitlines()[0] == CNV_NOTE
+    slash = invoke(*args[:2], "-p", "/help", "--temp", "0", "-n", "4", input="/exit\n")   # a message, not a command
+    assert slash.exit_code == 0 and slash.stdout.strip() and "/regen" not in slash.stderr
+    raw = invoke(*args, "-no-cnv", input="")
+    js = invoke(*args, "--json", input="")
+    assert raw.exit_code == 0 and js.exit_code == 0
+    assert raw.stdout == json.loads(js.stdout)["text"] + "\n" != auto.stdout
+    assert "conversation mode" not in raw.stderr + js.stderr and "generation:" in raw.stderr
+
+
+@pytest.mark.slow
+def test_regen_answers_again_from_the_cache_and_clear_keeps_the_system_prompt(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    r = invoke("chat", "-m", "smollm2-135m-instruct", "-sys", "Be brief.", "--temp", "0", "-n", "8",
+               input=f"/regen\nHi\n/regen\n/save {a}\n/clear\n/save {b}\n/regen\n")
+    assert r.exit_code == 0, r.output
+    first, again = r.stdout.splitlines()                      # greedy: the same answer twice
+    assert first == again and first.startswith("Hello")
+    system, user = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}
+    assert json.loads(a.read_text())["messages"] == [system, user, {"role": "assistant", "content": first}]
+    assert json.loads(b.read_text())["messages"] == [system]
+    err = r.stderr.splitlines()
+    nothing = "error: no answer to regenerate: the conversation does not end with one"
+    assert err[0] == nothing and err[3:] == [f"saved 3 messages to {a}", "conversation cleared",
+                                            f"saved 1 messages to {b}", nothing]
+    n_prompt = int(re.fullmatch(r"\[8 tokens, .* \| prompt (\d+) new \+ 0 cached \| stopped at -n\]", err[1]).group(1))
+    # the regenerated answer's prompt came from the cache but its last token (its logits are needed)
+    assert re.fullmatch(rf"\[8 tokens, .* \| prompt 1 new \+ {n_prompt - 1} cached \| stopped at -n\]", err[2])
 
 
 @pytest.mark.slow
@@ -447,6 +500,43 @@ def test_terminal_paste_continuation_ctrl_c_at_the_prompt_and_ctrl_d(tmp_path, s
             child.kill(9)
     users = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "user"]
     assert users == ["Say yes.\nOr no.", "line one \nline two"]
+
+
+@pytest.mark.slow
+def test_terminal_p_with_a_chat_template_goes_on_chatting_with_regen_and_clear(tmp_path, smollm_path):
+    """On a terminal, `specrun -m MODEL -p ...` answers -p in the chat template, then the
+    conversation goes on, as llama-cli's; /regen answers again, /clear forgets."""
+    env = dict(os.environ, SPECRUN_HISTORY=str(tmp_path / "h"), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(SPECRUN, ["-m", "smollm2-135m-instruct", "-p", "Hi", "--temp", "0", "-n", "8"], env=env,
+                          encoding="utf-8", dimensions=(50, 200))
+    saved = tmp_path / "c.json"
+    try:
+        s = Screen(child)
+        s.wait(r"conversation mode, as SmolLM2-135M-Instruct\.Q4_1\.gguf has a chat template: the prompt is the "
+               r"first user message; -no-cnv for a raw completion")
+        answer = s.wait(r"(Hello.*)\n\[8 tokens, .*\| prompt 31 new \+ 0 cached \| stopped at -n\]").group(1)
+        s.wait(">")
+        child.sendline("/help")
+        s.wait(r"/regen +drop the last answer and generate it again")
+        s.wait(r"/clear +forget the conversation, keep the system prompt")
+        s.wait(">")
+        child.sendline("/regen")
+        again = s.wait(r"(Hello.*)\n\[8 tokens, .*\| prompt 1 new \+ 30 cached \| stopped at -n\]").group(1)
+        assert again == answer
+        s.wait(">")
+        child.sendline("/clear")
+        s.wait("conversation cleared")
+        s.wait(">")
+        child.sendline(f"/save {saved}")
+        s.wait("saved 0 messages")
+        s.wait(">")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF, timeout=60)
+        child.close()
+        assert child.exitstatus == 0
+    finally:
+        if child.isalive():
+            child.kill(9)
 
 
 @pytest.mark.slow

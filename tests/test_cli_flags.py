@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from specrun.cli.main import cli
 from specrun.cli.runtime.options import DEFAULT_CHAT_MODEL, unapplied
 from specrun.cli.runtime.prompts import process_escapes
+from specrun.gguf_spec.errors import SpecrunError
 from specrun.gguf_spec.extract import extract_mtp, extract_trunk
 from specrun.gguf_spec.registry import DEFAULT_MODEL, resolve_model
 from specrun.gguf_spec.spec import load_spec
@@ -198,7 +199,7 @@ def test_predict_is_n(tiny):
 
 
 def test_reverse_prompt_stops_there_and_is_printed(smollm_path):
-    base = ["-m", str(smollm_path), "-p", "Once upon a time, in a land far away,", "--temp", "0", "-c", "512"]
+    base = ["-m", str(smollm_path), "-p", "Once upon a time, in a land far away,", "--temp", "0", "-c", "512", "-no-cnv"]
     plain = invoke(*base, "-n", "24").stdout
     word = plain.split()[3]
     r = invoke(*base, "-n", "24", "-r", word)
@@ -256,22 +257,32 @@ def test_run_and_chat_receive_their_options_checked_once(monkeypatch):
     """click's values reach run, chat and the REPL as RunOptions (built before any model loads),
     --spec-auto-refresh among them."""
     from specrun.cli import chat_cmd, run_cmd
+    from specrun.cli.runtime import options
 
     seen = []
-    for module, name in ((run_cmd, "complete"), (run_cmd, "chat_loop"), (chat_cmd, "chat_loop")):
-        monkeypatch.setattr(module, name, seen.append)
-    assert invoke("-p", "hi\\n", "-n", "3", "--temp", "0", "-r", "a\\tb", "--spec-auto-refresh").exit_code == 0
-    assert invoke("chat", "-sys", "Be brief.", "-q", "--spec-type", "ngram-simple", input="").exit_code == 0
-    assert invoke("-m", DEFAULT_CHAT_MODEL, "-cnv", "-sys", "S", "-p", "Hi", "-st", input="").exit_code == 0
+
+    def built(*a, **k):
+        seen.append(options.run_options(*a, **k))
+        raise SpecrunError("stop here")                        # before any model loads
+
+    for module in (run_cmd, chat_cmd):
+        monkeypatch.setattr(module, "run_options", built)
+    for args in (("-p", "hi\\n", "-n", "3", "--temp", "0", "-r", "a\\tb", "--spec-auto-refresh"),
+                 ("chat", "-sys", "Be brief.", "-q", "--spec-type", "ngram-simple"),
+                 ("-m", DEFAULT_CHAT_MODEL, "-cnv", "-sys", "S", "-p", "Hi", "-st")):
+        r = invoke(*args, input="")
+        assert r.exit_code == 1 and r.stderr == "Error: stop here\n", r.output
     raw, chat, cnv = seen
-    assert (raw.model, raw.prompt, raw.stops, raw.n_predict, raw.auto_refresh, raw.chat) == (
-        DEFAULT_MODEL, "hi\n", ("a\tb",), 3, True, None)
-    assert raw.sampling.greedy and raw.params.spec.types == ("infer",)
+    assert (raw.model, raw.prompt, raw.stops, raw.n_predict, raw.auto_refresh) == (
+        DEFAULT_MODEL, "hi\n", ("a\tb",), 3, True)
+    assert raw.sampling.greedy and raw.params.spec.types == ("infer",) and raw.conversation == "auto"
+    assert (raw.chat.first_message, raw.chat.single_turn) == ("hi\n", True)   # stdin is not a terminal
     assert (chat.model, chat.auto_refresh, chat.prompt, chat.params.spec.types) == (
         DEFAULT_CHAT_MODEL, False, None, ("ngram-simple",))
     assert (chat.chat.system_prompt, chat.chat.first_message, chat.chat.quiet) == ("Be brief.", None, True)
     assert (cnv.chat.system_prompt, cnv.chat.first_message, cnv.chat.single_turn, cnv.chat.quiet) == (
         "S", "Hi", True, False)
+    assert (chat.conversation, cnv.conversation) == ("on", "on")
 
 
 def test_the_chat_model_has_a_chat_template_and_the_default_model_has_none():
@@ -298,6 +309,13 @@ def test_llamacpp_conversation_spelling_with_sys_p_and_single_turn(tmp_path):
                input=f"/save {saved}\n")
     assert r.exit_code == 0, r.output
     assert [m["role"] for m in json.loads(saved.read_text())["messages"]] == ["system", "user", "assistant"]
+
+
+def test_a_model_without_a_chat_template_completes_the_raw_text(tiny):
+    """A base model (no tokenizer.chat_template) keeps llama-cli's raw completion for -p."""
+    r = gen(tiny["full"], "-n", "2")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() and "generation:" in r.stderr and "conversation mode" not in r.stderr
 
 
 def test_conversation_flags_without_conversation_mode_say_so(tiny):
@@ -372,7 +390,7 @@ def notes_of(stderr: str) -> list[str]:
 def test_llamacpp_script_flags_are_no_ops_with_one_note_each_and_the_same_text(smollm_path):
     """Flags that cannot change the text: exit 0, the text of the run without them, one line each
     (grouped where one reason covers several); llama.cpp's off values of its other samplers: silent."""
-    base = ["-m", str(smollm_path), "-p", "Once upon a time", "-n", "4", "--temp", "0", "-t", "1"]
+    base = ["-m", str(smollm_path), "-p", "Once upon a time", "-n", "4", "--temp", "0", "-t", "1", "-no-cnv"]
     plain = invoke(*base)
     assert plain.exit_code == 0, plain.output
     r = invoke(*base, "--no-display-prompt", "--log-disable", "--simple-io", "--no-warmup", "-co", "--perf",

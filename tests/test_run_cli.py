@@ -29,7 +29,7 @@ def one_error_line(result, pattern: str) -> None:
 
 
 def test_bare_flags_run_the_default_command_and_json_matches_text(smollm_path):
-    args = ["-m", str(smollm_path), "-p", PROMPT, "-n", "24", "--temp", "0", "-c", "512"]
+    args = ["-m", str(smollm_path), "-p", PROMPT, "-n", "24", "--temp", "0", "-c", "512", "-no-cnv"]
     text = invoke(*args)
     assert text.exit_code == 0, text.stderr
     js = invoke(*args, "--json")
@@ -43,7 +43,7 @@ def test_bare_flags_run_the_default_command_and_json_matches_text(smollm_path):
 
 
 def test_ngram_statistics_in_llamacpp_words_and_same_text(smollm_path):
-    base = ["-m", str(smollm_path), "-p", PROMPT * 3, "-n", "32", "--temp", "0", "-c", "512"]
+    base = ["-m", str(smollm_path), "-p", PROMPT * 3, "-n", "32", "--temp", "0", "-c", "512", "-no-cnv"]
     plain = invoke(*base, "--json")
     spec = invoke(*base, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
                   "--spec-draft-n-max", "8")
@@ -81,7 +81,7 @@ def test_unknown_spec_type_lists_valid_ones(smollm_path):
 
 
 def test_prompt_longer_than_context(smollm_path):
-    one_error_line(invoke("-m", str(smollm_path), "-p", "word " * 400, "-c", "256"),
+    one_error_line(invoke("-m", str(smollm_path), "-p", "word " * 400, "-c", "256", "-no-cnv"),
                    r"the prompt exceeds the context size \(\d+ tokens, ctx 256\); raise -c")
 
 

@@ -388,6 +388,20 @@ class ChatSession:
         self.stats.add(turn.stats)
         self.last = turn
 
+    def regen(self, on_dropped: Callable[[int], None] | None = None) -> Iterator[str]:
+        """/regen: drop the last answer and answer its user message again, as send() does (the
+        cache holds that message's prompt already). raises SpecrunError when the conversation does
+        not end with an answer; a failed answer leaves the conversation as it was."""
+        kept = self.messages
+        if len(kept) < 2 or kept[-1]["role"] != "assistant" or kept[-2]["role"] != "user":
+            raise SpecrunError("no answer to regenerate: the conversation does not end with one")
+        self.messages = kept[:-2]
+        try:
+            yield from self.send(kept[-2]["content"], on_dropped)
+        except Exception:
+            self.messages = kept
+            raise
+
     # -- commands ----------------------------------------------------------------------------
     def reset(self) -> None:
         self.messages = list(self.system)

@@ -472,10 +472,12 @@ class RunOptions:
     n_predict: int                      # -n: -1 and -2 run to end of generation or a full context
     auto_refresh: bool                  # --spec-auto-refresh: auto measures this machine's costs again
     verbose: bool                       # -v: llama.cpp's and specrun's logs on stderr
-    prompt: str | None                  # a raw completion's text (-p, -f or stdin, escapes processed)
-    stops: tuple[str, ...]              # -r: reverse prompts, escapes processed
+    conversation: str                   # "on" (-cnv, -i, a conversation flag, chat), "off" (-no-cnv, --json),
+                                        # "auto": on when the model has a chat template, as llama-cli
+    prompt: str | None                  # -p, -f or stdin, escapes processed (None: none given, stdin a terminal)
+    stops: tuple[str, ...]              # -r: reverse prompts, escapes processed (a raw completion's)
     as_json: bool                       # --json: one JSON object instead of the streamed text
-    chat: ChatOptions | None            # conversation mode's settings (None: a raw completion)
+    chat: ChatOptions | None            # the conversation's settings (None when conversation is "off")
 
 
 def given(name: str) -> bool:
@@ -730,7 +732,7 @@ def run_options(kw: dict, *, prompt: str | None = None, file: str | None = None,
     setup_logging(kw["verbose"])
     if chat:
         tmpl, tmpl_file = chat_template_choice(kw)
-        return _options(kw, model=chat_model(kw), prompt=None, stops=(), as_json=False,
+        return _options(kw, model=chat_model(kw), conversation="on", prompt=None, stops=(), as_json=False,
                         chat=ChatOptions(read_system_prompt(kw), None, tmpl, tmpl_file, kw["single_turn"], quiet))
     if interactive:
         # llama-cli's -i takes turns at the terminal; specrun's turns are conversation mode's
@@ -747,29 +749,34 @@ def run_options(kw: dict, *, prompt: str | None = None, file: str | None = None,
         if as_json:
             raise click.UsageError("--json and -cnv/--conversation do not go together")
         if reverse_prompt:
-            note("-r: not applied in conversation mode; an answer ends at the chat template's end of turn")
-        # -cnv: llama.cpp's -p is the first message (with -sys, or -st); without them it stays the
-        # system prompt, specrun's earlier meaning
+            note(REVERSE_PROMPT_NOTE)
+        # llama-cli: -p (or -f) is the first user message; -sys gives the system message
         text = read_prompt(prompt, file, escape=escape) if prompt is not None or file is not None else None
-        system, first = read_system_prompt(kw), None
-        if system is not None or kw["single_turn"]:
-            first = text
-        else:
-            system = text
+        system = read_system_prompt(kw)
         tmpl, tmpl_file = chat_template_choice(kw)
-        return _options(kw, model=chat_model(kw), prompt=None, stops=(), as_json=False,
-                        chat=ChatOptions(system, first, tmpl, tmpl_file, kw["single_turn"], quiet=False))
+        return _options(kw, model=chat_model(kw), conversation="on", prompt=text, stops=(), as_json=False,
+                        chat=ChatOptions(system, text, tmpl, tmpl_file, kw["single_turn"], quiet=False))
     if chat_flags:
         note(f"{', '.join(chat_flags)}: ignored without conversation mode (-no-cnv)")
-    text = read_prompt(prompt, file, escape=escape)
+    # without -cnv / -no-cnv: conversation mode when the model has a chat template (known once it
+    # is loaded), as llama-cli; --json prints a raw completion's tokens, so it stays one
+    auto = conversation is None and not as_json
+    terminal = sys.stdin is not None and sys.stdin.isatty()
+    text = None if auto and prompt is None and file is None and terminal else read_prompt(prompt, file, escape=escape)
     stops = tuple(process_escapes(r) if escape else r for r in reverse_prompt)
-    return _options(kw, model=kw["model"], prompt=text, stops=stops, as_json=as_json, chat=None)
+    # on a terminal the conversation goes on after the first answer; from a script, one answer
+    chat = ChatOptions(None, text, None, None, single_turn=not terminal, quiet=False) if auto else None
+    return _options(kw, model=kw["model"], conversation="auto" if auto else "off", prompt=text, stops=stops,
+                    as_json=as_json, chat=chat)
 
 
-def _options(kw: dict, *, model: str, prompt: str | None, stops: tuple[str, ...], as_json: bool,
-             chat: ChatOptions | None) -> RunOptions:
+REVERSE_PROMPT_NOTE = "-r: not applied in conversation mode; an answer ends at the chat template's end of turn"
+
+
+def _options(kw: dict, *, model: str, conversation: str, prompt: str | None, stops: tuple[str, ...],
+             as_json: bool, chat: ChatOptions | None) -> RunOptions:
     """The kernels' parameters (runtime.options: the one place that builds them), sampling first."""
     sampling = sampling_params(kw)
     return RunOptions(model=model, params=engine_params(kw), sampling=sampling, n_predict=kw["n_predict"],
-                      auto_refresh=kw["auto_refresh"], verbose=kw["verbose"], prompt=prompt, stops=stops,
-                      as_json=as_json, chat=chat)
+                      auto_refresh=kw["auto_refresh"], verbose=kw["verbose"], conversation=conversation,
+                      prompt=prompt, stops=stops, as_json=as_json, chat=chat)

@@ -50,6 +50,8 @@ CHAT_MESSAGE = "In a few sentences, explain why the sky is blue."
 BUILTIN = (*PROMPTS, "chat")
 
 
+NO_PROMPT = "no prompt: give one with -p TEXT or -f FILE (or pipe it on stdin)"
+
 _ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"'": b"'", b'"': b'"', b"\\": b"\\"}
 _ESCAPE = re.compile(rb"\\(x[0-9A-Fa-f]{2}|[nrt'\"\\])")
 
@@ -87,6 +89,6 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
     if prompt is None:
         text = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
         if not text:
-            raise click.UsageError("no prompt: give one with -p TEXT or -f FILE (or pipe it on stdin)")
+            raise click.UsageError(NO_PROMPT)
         return text
     return prompt
