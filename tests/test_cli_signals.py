@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 SPECRUN = str(Path(sys.executable).with_name("specrun"))
-STORY = ["-p", "Once upon a time, in a land far away,", "--temp", "0", "-n", "2000", "-c", "4096"]
+STORY = ["-p", "Once upon a time, in a land far away,", "--temp", "0", "-n", "2000", "-c", "4096", "-no-cnv"]
 
 
 def interrupt_when(args: list[str], marker: bytes, stream: str, timeout: float = 240) -> tuple[int, str, str]:

@@ -23,7 +23,7 @@ def test_shim_times_every_graph_of_a_real_run(tmp_path, smollm_path):
     so = pass_times.build_shim(out=tmp_path / "pass_times.so")
     log = tmp_path / "times.txt"
     env = {**os.environ, "LD_PRELOAD": str(so), "PASS_TIMES": str(log)}
-    r = subprocess.run([SPECRUN, "-m", str(smollm_path), "-p", "The capital of France is", "-n", "4",
+    r = subprocess.run([SPECRUN, "-m", str(smollm_path), "-p", "The capital of France is", "-n", "4", "-no-cnv",
                         "--spec-type", "none", "-t", "2", "--temp", "0"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-800:]
