@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 from serving import MODEL, T, wait_for
 from test_server_units import asgi, echo
 
-from specrun.cli.server import middleware, schemas
+from specrun.cli.server import middleware, routes_llama, schemas
 from specrun.cli.server import state as state_mod
 from specrun.cli.server.errors import ApiError
 from specrun.cli.server.limits import (
@@ -84,6 +84,7 @@ HEAVY = {
     "tokenize with pieces": ("model", "piece", "/tokenize", {"content": "Hello world", "with_pieces": True}),
     "logit_bias texts": ("model", "tokenize", "/completion", {**GREEDY, "logit_bias": {" Paris": -5}}),
     "compile a grammar": (state_mod, "Grammar", "/completion", {**GREEDY, "grammar": 'root ::= " Paris" | " Lyon"'}),
+    "encode /tokenize's answer": (routes_llama, "_json", "/tokenize", {"content": "Hello", "with_pieces": True}),
     "compile a json_schema": (state_mod, "schema_to_gbnf", "/completion",
                               {**GREEDY, "json_schema": {"type": "object", "properties": {"a": {"enum": ["x"]}}}}),
 }
@@ -133,22 +134,34 @@ def test_the_workers_are_bounded_and_the_loop_stays_free_when_all_are_busy(serve
 
 
 def test_large_answers_are_made_and_encoded_off_the_loop(server, monkeypatch):
-    """/tokenize's answer (with pieces) is encoded in a worker, not on the loop."""
+    """/detokenize's answer is encoded in a worker, not on the loop; /tokenize's, written as text
+    there (HEAVY), is the bytes JSONResponse would write."""
     from fastapi.responses import JSONResponse
 
     seen: list[threading.Thread] = []
     real = JSONResponse.render
 
     def spy(self, content):
-        if isinstance(content, dict) and "tokens" in content:
+        if isinstance(content, dict) and "content" in content:
             seen.append(threading.current_thread())
         return real(self, content)
 
     monkeypatch.setattr(JSONResponse, "render", spy)
-    r = post(server, "/tokenize", {"content": "Hello world " * 200, "with_pieces": True})
-    assert r.status_code == 200 and len(r.json()["tokens"]) >= 400
-    assert r.json()["tokens"][0]["piece"] == "Hello"
-    assert len(seen) == 1 and seen[0] is not server.thread
+    r = post(server, "/detokenize", {"tokens": [504, 3575, 282] * 100})
+    assert r.status_code == 200 and len(seen) == 1 and seen[0] is not server.thread
+    r = post(server, "/tokenize", {"content": "Hello world \u00e9\u6771<|im_end|>" * 50, "with_pieces": True})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    pieces = r.json()["tokens"]
+    assert len(pieces) >= 250 and pieces[0]["piece"] == "Hello" and any(isinstance(p["piece"], list) for p in pieces)
+    assert r.content == JSONResponse(r.json()).body
+    plain = post(server, "/tokenize", {"content": "Hello world"})
+    assert plain.content == JSONResponse({"tokens": [p["id"] for p in pieces[:2]]}).body
+
+
+def test_the_loaded_server_is_frozen_for_the_garbage_collector(server):
+    import gc
+
+    assert gc.get_freeze_count() > 0
 
 
 # ---- size limits -------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ Speculative options travel per request in an extra body field:
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from fastapi import FastAPI, Request
@@ -54,6 +55,12 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(llama_router(state))
     app.include_router(service_router(state))
     app.openapi = lambda: _openapi(app, bool(state.config.api_key))
+    # The loaded server's objects (modules, schemas, the vocabulary's caches) live as long as it does:
+    # frozen, the cyclic collector skips them. A full collection then scans what requests made, not
+    # the whole heap: it runs in whichever thread allocates and holds the GIL meanwhile, so a large
+    # request's worker would otherwise stall the event loop for as long as a full heap scan takes.
+    gc.collect()
+    gc.freeze()
     return app
 
 

@@ -34,7 +34,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import pydantic_core
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
@@ -336,14 +335,10 @@ def _json_media(content_type: str) -> bool:
 
 
 def _parse(body: bytes) -> Any:
-    """The body as JSON, as FastAPI's json.loads reads it. pydantic-core's parser first: it is
-    faster and lets other threads run while it works (json.loads holds the GIL for the whole of a
-    large array). A body it refuses is read by json.loads for FastAPI's verdict and errors, with a
-    Python hook per number so that the event loop gets its turns."""
-    try:
-        return pydantic_core.from_json(body)
-    except ValueError:
-        return json.loads(body, parse_int=_int, parse_float=_float)
+    """The body as JSON, as FastAPI's json.loads reads it (the same values and errors), with a
+    Python hook per number: json.loads' C parser never lets go of the GIL on its own, so a body of
+    millions of numbers would hold the event loop for seconds; a hook gives it its turns."""
+    return json.loads(body, parse_int=_int, parse_float=_float)
 
 
 def _int(s: str) -> int:

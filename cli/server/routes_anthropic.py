@@ -63,7 +63,8 @@ def anthropic_router(state: ServerState) -> APIRouter:
                                          "delta": {"type": "text_delta", "text": s}},
                               last, done=False, named=True)
             o = await state.finish(run, client)
-        return {**head, "content": [{"type": "text", "text": o.text}] if o.text else [], **end(o), "usage": usage(o)}
+        return await state.respond(lambda: {**head, "content": [{"type": "text", "text": o.text}] if o.text else [],
+                                            **end(o), "usage": usage(o)})
 
     @router.post(f"{ANTHROPIC_PATH}/count_tokens", response_model=InputTokens, response_model_exclude_none=True,
                  summary="the prompt tokens of a Messages API request")

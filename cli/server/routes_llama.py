@@ -7,9 +7,11 @@ GET /props (the settings a client reads: context size, slots, defaults, chat tem
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from .errors import ApiError
 from .middleware import off_loop_body
@@ -49,12 +51,14 @@ def llama_router(state: ServerState) -> APIRouter:
                 return stream(run, state, [], lambda s: {"content": s, "stop": False, "id_slot": run.slot.id},
                               lambda o: [final(o, "")], done=False)
             o = await state.finish(run, client)
-        return final(o, o.text)
+        return await state.respond(lambda: final(o, o.text))
 
     router.add_api_route("/completions", completion, methods=["POST"], include_in_schema=False)
     model = state.model
 
-    def tokens(req: TokenizeRequest) -> list:
+    def tokens(req: TokenizeRequest) -> bytes:
+        """The answer's JSON: {"tokens": [ids]}, or [{"id", "piece"}] with_pieces, written as text
+        (a million small dicts would keep the garbage collector, and the GIL, busy for seconds)."""
         ids: list[int] = []
         parts = [req.content] if isinstance(req.content, str) else req.content
         for i, part in enumerate(parts):
@@ -67,15 +71,18 @@ def llama_router(state: ServerState) -> APIRouter:
                 ids += model.tokenize(part, add_special=req.add_special and i == 0,
                                       parse_special=req.parse_special).tolist()
         if not req.with_pieces:
-            return ids
-        pieces: dict[int, str | list[int]] = {}   # each distinct id asked of llama.cpp once
+            return _json({"tokens": ids})
+        pieces: dict[int, str] = {}   # each distinct id asked of llama.cpp once, as its JSON entry
         for t in set(ids):
             b = model.piece(t, special=True)
             try:
-                pieces[t] = b.decode("utf-8")
+                piece: str | list[int] = b.decode("utf-8")
             except UnicodeDecodeError:
-                pieces[t] = list(b)
-        return [{"id": t, "piece": pieces[t]} for t in ids]
+                piece = list(b)
+            pieces[t] = _json({"id": t, "piece": piece}).decode()
+        step = 1 << 16   # joined in parts: one join of millions holds the GIL throughout
+        parts = [",".join(map(pieces.__getitem__, ids[i:i + step])) for i in range(0, len(ids), step)]
+        return b'{"tokens":[' + ",".join(parts).encode() + b"]}"
 
     def text(req: DetokenizeRequest) -> str:
         bad = [t for t in req.tokens if not 0 <= t < model.n_vocab]
@@ -87,7 +94,7 @@ def llama_router(state: ServerState) -> APIRouter:
     # both answer off the event loop: a body of millions of ids or pieces takes seconds to make and encode
     @router.post("/tokenize", summary="text -> token ids (llama-server's)")
     async def tokenize(req: TokenizeRequest):
-        return await state.respond(lambda: {"tokens": tokens(req)})
+        return Response(await state.prepare(lambda: tokens(req)), media_type="application/json")
 
     @router.post("/detokenize", summary="token ids -> text (llama-server's)")
     async def detokenize(req: DetokenizeRequest):
@@ -153,3 +160,8 @@ def llama_router(state: ServerState) -> APIRouter:
         return [slot_view(s) for s in state.pool.slots]
 
     return router
+
+
+def _json(obj) -> bytes:
+    """obj as JSONResponse writes it (compact, UTF-8)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()

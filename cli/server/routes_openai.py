@@ -45,9 +45,9 @@ def openai_router(state: ServerState) -> APIRouter:
             if req.stream:
                 return stream(run, state, [], lambda s: {**head, "choices": [choice(s, None)]}, last, done=True)
             o = await state.finish(run, client)
-        return {**head, "choices": [choice(o.text, o.finish_reason, state.completion_logprobs(o))],
-                "usage": state.usage(job, o),
-                "timings": state.timings(o)}
+        return await state.respond(lambda: {**head, "choices": [choice(o.text, o.finish_reason,
+                                                                        state.completion_logprobs(o))],
+                                            "usage": state.usage(job, o), "timings": state.timings(o)})
 
     @router.post("/v1/chat/completions", responses=sse_doc(ChatCompletion), summary="OpenAI chat completion")
     async def chat_completions(req: ChatRequest, request: Request):
@@ -74,10 +74,10 @@ def openai_router(state: ServerState) -> APIRouter:
                               lambda s: delta({"content": s}, None), last, done=True)
             o = await state.finish(run, client)
         msg = {"role": "assistant", "content": o.text}
-        return {"id": cid, "object": "chat.completion", "created": created, "model": alias,
-                "choices": [{"index": 0, "message": msg, "logprobs": state.chat_logprobs(o),
-                             "finish_reason": o.finish_reason}],
-                "usage": state.usage(job, o), "timings": state.timings(o)}
+        return await state.respond(lambda: {
+            "id": cid, "object": "chat.completion", "created": created, "model": alias,
+            "choices": [{"index": 0, "message": msg, "logprobs": state.chat_logprobs(o), "finish_reason": o.finish_reason}],
+            "usage": state.usage(job, o), "timings": state.timings(o)})
 
     router.add_api_route("/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
 

@@ -39,6 +39,7 @@ from .schemas import ChatRequest, Speculative
 from .slots import Busy, Drained, Job, Outcome, Run, ShuttingDown, SlotPool
 
 T = TypeVar("T")
+_JOIN = 1 << 16               # ids joined at once by detokenize (a C loop that holds the GIL)
 
 MAX_BODY = 8 << 20            # bytes: --max-body's default
 BODY_TIMEOUT_S = 10.0         # --body-timeout's default
@@ -312,7 +313,9 @@ class ServerState:
         id is asked of llama.cpp once."""
         ids = [int(t) for t in tokens]
         pieces = {t: self.model.piece(t, special=True) for t in set(ids)}
-        return b"".join(map(pieces.__getitem__, ids)).decode("utf-8", errors="replace")
+        # joined in parts: one join of millions holds the GIL (and so the event loop) throughout
+        parts = [b"".join(map(pieces.__getitem__, ids[i:i + _JOIN])) for i in range(0, len(ids), _JOIN)]
+        return b"".join(parts).decode("utf-8", errors="replace")
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         """fn() in a worker thread, at most PREPARE_THREADS at once (the others wait their turn): the
@@ -329,9 +332,10 @@ class ServerState:
             self.metrics.preparing(-1)
 
     async def respond(self, fn: Callable[[], dict]) -> JSONResponse:
-        """The JSON answer fn() makes, made and rendered off the event loop (a large one takes long
-        to encode)."""
-        return await self.prepare(lambda: JSONResponse(fn()))
+        """The JSON answer fn() makes, made and rendered off the event loop (FastAPI's encoder takes
+        long over a large one: logprobs, a logit_bias of thousands echoed in the settings). The
+        bytes are FastAPI's: JSONResponse of plain JSON values."""
+        return await self.off_loop(lambda: JSONResponse(fn()))
 
     # -- running -----------------------------------------------------------------------------
     async def start(self, job: Job, client: Client) -> Run:
