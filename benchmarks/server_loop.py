@@ -3,8 +3,8 @@
     python benchmarks/server_loop.py [--model smollm2-135m-instruct] [--src DIR] [--interval 0.01]
         [--out benchmarks/results/server_loop.json]
 
-One server (1 thread, -c 512). For each heavy request (all under the 8 MiB body limit), one client
-sends it while another polls GET /health every --interval seconds; the table gives the heavy
+One server (1 thread, -c 512). For each heavy request (all under the 8 MiB body limit), a client
+process sends it while this one polls GET /health every --interval seconds; the table gives the heavy
 request's status and time, and /health's median and worst latency while it was in flight. The
 server's event loop answers /health: its worst latency is the longest the loop was held. The first
 row polls /health alone for 5 s: the machine's own noise.
@@ -18,9 +18,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from datetime import datetime, timezone
@@ -55,43 +55,41 @@ def heavy_requests() -> list[tuple[str, str | None, bytes]]:
     ]
 
 
-def post(url: str, body: bytes) -> int:
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=900) as r:
-            r.read()
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+_CLIENT = """
+import sys, time, urllib.request, urllib.error
+body = open(sys.argv[2], "rb").read()
+req = urllib.request.Request(sys.argv[1], data=body, headers={"Content-Type": "application/json"})
+t0 = time.perf_counter()
+try:
+    with urllib.request.urlopen(req, timeout=900) as r:
+        r.read()
+        status = r.status
+except urllib.error.HTTPError as e:
+    status = e.code
+print(status, time.perf_counter() - t0)
+"""
 
 
-def measure(url: str, path: str | None, body: bytes, interval: float) -> dict:
-    """path None: no heavy request, /health alone for 5 s (the machine's noise)."""
-    done = threading.Event()
-    out: dict = {}
-
-    def heavy() -> None:
-        t0 = time.perf_counter()
-        if path is None:
-            time.sleep(5.0)
-            out["status"] = None
-        else:
-            out["status"] = post(url + path, body)
-        out["seconds"] = time.perf_counter() - t0
-        done.set()
-
+def measure(url: str, path: str | None, body: bytes, interval: float, tmp: str) -> dict:
+    """The heavy request from a process of its own (its client's work never delays the polls);
+    path None: no heavy request, /health alone for 5 s (the machine's noise)."""
+    if path is None:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5); print('- 5.0')"],
+                                 stdout=subprocess.PIPE, text=True)
+    else:
+        Path(tmp, "body.json").write_bytes(body)
+        child = subprocess.Popen([sys.executable, "-c", _CLIENT, url + path, str(Path(tmp, "body.json"))],
+                                 stdout=subprocess.PIPE, text=True)
     lat: list[float] = []
-    th = threading.Thread(target=heavy)
-    th.start()
-    while not done.is_set():
+    while child.poll() is None:
         t0 = time.perf_counter()
         with urllib.request.urlopen(url + "/health", timeout=900) as r:
             r.read()
         lat.append(time.perf_counter() - t0)
         time.sleep(interval)
-    th.join()
-    return {**out, "health_n": len(lat), "health_median_ms": statistics.median(lat) * 1e3,
-            "health_max_ms": max(lat) * 1e3}
+    status, seconds = child.stdout.read().split()
+    return {"status": None if status == "-" else int(status), "seconds": float(seconds), "health_n": len(lat),
+            "health_median_ms": statistics.median(lat) * 1e3, "health_max_ms": max(lat) * 1e3}
 
 
 def main() -> None:
@@ -110,7 +108,7 @@ def main() -> None:
         rows = []
         with serving(cmd, Path(tmp) / "server.log") as (url, _pid):
             for name, path, body in heavy_requests():
-                row = {"request": name, "body_bytes": len(body), **measure(url, path, body, args.interval)}
+                row = {"request": name, "body_bytes": len(body), **measure(url, path, body, args.interval, tmp)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     commit, dirty = git_state()
