@@ -16,7 +16,8 @@
 Every error is OpenAI's shape, {"error": {"message", "type", "code"}} (under /v1/messages
 Anthropic's, {"type": "error", "error": {"type", "message"}}), with a 4xx status for
 anything the request got wrong (malformed JSON and wrong types included: 400, not FastAPI's 422),
-401 without the API key, 413 for a body above --max-body, 408 for one slower than --body-timeout,
+401 without the API key, 403 for a Host header that does not name loopback on a loopback server
+without a key (DNS rebinding), 413 for a body above --max-body, 408 for one slower than --body-timeout,
 503 with Retry-After when every slot is busy and the queue is full, 503 `loading` / `shutting_down`.
 Speculative options travel per request in an extra body field:
 `"speculative": {"type": "ngram-simple", "n_max": 8, "p_min": 0.0}`.
