@@ -24,7 +24,7 @@ def invoke(*args: str):
 
 
 def gen(*args: str):
-    return invoke("-m", MODEL, "-p", "The quick brown fox", "--temp", "0", "-n", "12", *args)
+    return invoke("-m", MODEL, "-p", "The quick brown fox", "--temp", "0", "-n", "12", "-no-cnv", *args)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -96,26 +96,46 @@ def test_out_of_vocabulary_bias_is_one_line():
     assert "logit bias for token 999999: the vocabulary has 49152 tokens (0..49151)" in r.stderr
 
 
+@pytest.fixture(scope="module")
+def free():
+    """temp -> `run --json`'s output without a control (seed 5), once per temp for the module."""
+    out: dict[str, dict] = {}
+
+    def get(temp: str) -> dict:
+        if temp not in out:
+            out[temp] = json.loads(gen("--json", "--temp", temp, "-s", "5").stdout)
+        return out[temp]
+
+    return get
+
+
+# (control, its flags given the files and the greedy free output, a check of the controlled output);
+# make test runs each control at one temperature, greedy or seeded, the other in `make test-full`
+CONTROLS = {
+    "penalties": (lambda d, f: ["--repeat-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.5"],
+                  None),
+    "logit-bias": (lambda d, f: ["-l", f"{f['tokens'][0]}-inf"], lambda o, f: f["tokens"][0] not in o["tokens"]),
+    "grammar-file": (lambda d, f: ["--grammar-file", str(d / "g.gbnf")], lambda o, f: "e" not in o["text"]),
+    "json-schema-file": (lambda d, f: ["-jf", str(d / "s.json")], lambda o, f: set(json.loads(o["text"])) == {"n"}),
+}
+IN_MAKE_TEST = {("penalties", "0.8"), ("logit-bias", "0"), ("grammar-file", "0.8"), ("json-schema-file", "0")}
+
+
 @pytest.mark.slow
-def test_controls_change_the_text_and_spec_keeps_it(tmp_path):
-    free = json.loads(gen("--json").stdout)
-    schema = tmp_path / "s.json"
-    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}')
-    gbnf = tmp_path / "g.gbnf"
-    gbnf.write_text("root ::= [^e]*\n")
-    for args, check in [
-        (["--repeat-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.5"], None),
-        (["-l", f"{free['tokens'][0]}-inf"], lambda o: free["tokens"][0] not in o["tokens"]),
-        (["--grammar-file", str(gbnf)], lambda o: "e" not in o["text"]),
-        (["-jf", str(schema)], lambda o: set(json.loads(o["text"])) == {"n"}),
-    ]:
-        for temp in ("0", "0.8"):
-            plain = json.loads(gen("--json", "--temp", temp, "-s", "5", *args).stdout)
-            spec = json.loads(gen("--json", "--temp", temp, "-s", "5", "--spec-type", "ngram-simple",
-                                  "--spec-ngram-simple-size-n", "2", *args).stdout)
-            assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"], args
-            assert plain["tokens"] != json.loads(gen("--json", "--temp", temp, "-s", "5").stdout)["tokens"], args
-            assert check is None or check(plain), (args, plain["text"])
+@pytest.mark.parametrize("control, temp", [
+    pytest.param(c, t, id=f"{c}-{t}", marks=() if (c, t) in IN_MAKE_TEST else pytest.mark.full)
+    for c in CONTROLS for t in ("0", "0.8")])
+def test_controls_change_the_text_and_spec_keeps_it(tmp_path, free, control, temp):
+    (tmp_path / "s.json").write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}')
+    (tmp_path / "g.gbnf").write_text("root ::= [^e]*\n")
+    flags, check = CONTROLS[control]
+    args = flags(tmp_path, free("0"))
+    plain = json.loads(gen("--json", "--temp", temp, "-s", "5", *args).stdout)
+    spec = json.loads(gen("--json", "--temp", temp, "-s", "5", "--spec-type", "ngram-simple",
+                          "--spec-ngram-simple-size-n", "2", *args).stdout)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"], args
+    assert plain["tokens"] != free(temp)["tokens"], args
+    assert check is None or check(plain, free("0")), (args, plain["text"])
 
 
 @pytest.mark.slow
