@@ -12,9 +12,9 @@ Why each sequence's text equals the same request decoded alone (Engine, --spec-t
 exact mode's settings make every matmul row-invariant (llama.cpp's kernels then compute a row the
 same way whatever the batch holds: kernels/llama.py), and the context keeps a KV stream per
 sequence (kv_unified False), so a sequence's flash attention reads only its own cells, in position
-order, as a one-sequence context lays them out. With one unified buffer, a sequence that joins into
-cells another one left puts a later position in an earlier cell and the attention sums in another
-order (benchmarks/results/batch_invariance.md). Flash attention also picks its tiled kernel by
+order, as a one-sequence context lays them out. With one unified buffer, once a sequence leaves,
+the others' next positions go into the cells it left, before their earlier ones, and the attention
+sums them in another order (benchmarks/results/batch_invariance.md). Flash attention also picks its tiled kernel by
 the rows a sequence has in a ubatch (64+: GGML_FA_TILE_Q), and llama.cpp splits a batch of several
 streams into ubatches of equal rows per sequence; so a prompt chunk of 64+ rows is decoded alone
 (its rows take the tiled kernel, as the Engine's prompt chunks do) and every other row (verify
@@ -94,6 +94,7 @@ class Handle:
         self.tokens: list[int] = []
         self.stats = GenStats()
         self.done = False
+        self.error = ""                 # why it stopped with stop "error"
         self.seq = -1                   # its sequence while active
         self._cancelled = False
 
@@ -305,19 +306,23 @@ class BatchEngine:
         budget = draft_budget(len(gen), self.params.draft_rows)
         rows: list[tuple[_Seq, list[int], int, bool, Draft | None]] = []   # (seq, tokens, pos0, outputs?, draft)
         n_rows = 0
+        spare = self.ctx.n_batch - len(gen)       # rows left for drafts and prompt chunks
+        for s in gen:
+            draft = self._propose(s, min(budget, self._room(s), spare))
+            spare -= len(draft)
+            rows.append((s, [s.text[-1], *draft.tokens.tolist()], len(s.text) - 1, True, draft))
+            n_rows += len(draft) + 1
         for s in active:
-            if s.prefilling:
-                lo = len(s.kv)
-                chunk = s.prompt[lo:lo + self.params.n_ubatch].tolist()
-                if len(chunk) >= FA_TILE_Q:       # its own decode: the tiled kernel for all its rows
-                    self._prompt_chunk(s, chunk, lo, out)
-                    continue
+            if not s.prefilling:
+                continue
+            lo = len(s.kv)
+            chunk = s.prompt[lo:lo + self.params.n_ubatch].tolist()
+            if len(chunk) >= FA_TILE_Q:       # its own decode: the tiled kernel for all its rows
+                self._prompt_chunk(s, chunk, lo, out)
+            elif len(chunk) <= spare:         # else at a later step
                 rows.append((s, chunk, lo, False, None))
                 n_rows += len(chunk)
-            else:
-                draft = self._propose(s, min(budget, self._room(s)))
-                rows.append((s, [s.text[-1], *draft.tokens.tolist()], len(s.text) - 1, True, draft))
-                n_rows += len(draft) + 1
+                spare -= len(chunk)
         if not rows:
             return out
         toks, pos, seqs, outs = [], [], [], []
@@ -328,7 +333,12 @@ class BatchEngine:
             last = len(s.kv) + len(t) == len(s.prompt)
             outs += [True] * len(t) if all_out else [False] * (len(t) - 1) + [last]
         t0 = time.perf_counter()
-        self.ctx.decode_seqs(toks, pos, seqs, outs)
+        try:
+            self.ctx.decode_seqs(toks, pos, seqs, outs)
+        except LlamaError as e:               # llama.cpp left the memory as it was: fail these requests
+            for s, *_ in rows:
+                self._fail(s, e, out)
+            return out
         self.pass_cost.record(n_rows, time.perf_counter() - t0)
         logits = self.ctx.outputs_rows()          # float32 [n_outputs, n_vocab], batch order
         i = 0
@@ -368,7 +378,12 @@ class BatchEngine:
 
     def _prompt_chunk(self, s: _Seq, chunk: list[int], lo: int, out: list) -> None:
         last = lo + len(chunk) == len(s.prompt)
-        self.ctx.decode_seqs(chunk, range(lo, lo + len(chunk)), [s.sid] * len(chunk), [False] * (len(chunk) - 1) + [last])
+        try:
+            self.ctx.decode_seqs(chunk, range(lo, lo + len(chunk)), [s.sid] * len(chunk),
+                                 [False] * (len(chunk) - 1) + [last])
+        except LlamaError as e:
+            self._fail(s, e, out)
+            return
         rows = self.ctx.outputs_rows() if last else None
         self._prompt_done(s, chunk, lo, rows, out)
 
@@ -428,6 +443,14 @@ class BatchEngine:
         out.append((h, toks))
         if stop:
             self._finish(s, stop)
+
+    def _fail(self, s: _Seq, e: LlamaError, out: list) -> None:
+        """A decode with s's rows failed: its request ends with stop "error" (handle.error says why);
+        the KV past what s held is dropped, in case llama.cpp kept any."""
+        self.ctx.seq_rm_of(s.sid, len(s.kv), -1)
+        s.h.error = str(e)
+        out.append((s.h, []))
+        self._finish(s, "error")
 
     def _finish(self, s: _Seq, stop: str) -> None:
         """The request ends: its handle done; the sequence free, its KV kept for a later prompt."""
