@@ -4,6 +4,8 @@ run() starts uvicorn on the socket at once: the Gate answers 503 `loading` while
 opens the engines, resolves --spec-type auto (its calibration) and builds the app. On SIGTERM or
 Ctrl-C the server drains (ServerState.shut_down) before uvicorn's own shutdown; a second signal
 stops the generations in flight at once. run() returns how it ended; the command prints it.
+tests/serving.py serves the same app in a thread of the tests' process: make_server, a Loader
+given engines kept open across servers (build), the drain by handle_exit.
 """
 
 from __future__ import annotations
