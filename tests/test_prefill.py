@@ -270,6 +270,7 @@ def test_spec_equals_none_through_the_hand_over(engines, sampling):
 
 
 @pytest.mark.slow
+@pytest.mark.full          # a fault path, three evaluations of the prompt: `make test-full`
 def test_a_state_that_cannot_be_handed_over_falls_back(engines, monkeypatch, caplog):
     fast, slow, P = engines
     prompt = P["short"]
@@ -289,6 +290,7 @@ def test_a_state_that_cannot_be_handed_over_falls_back(engines, monkeypatch, cap
 
 
 @pytest.mark.slow
+@pytest.mark.full          # a fault path: `make test-full`
 def test_a_twin_that_does_not_load_keeps_the_exact_weights(engines, monkeypatch, caplog):
     """The repacked second load fails (memory): one warning, the fast context runs the exact
     model's weights, and the same prompt again gives the same answer."""

@@ -22,7 +22,7 @@ from specrun.kernels.drafters import DraftModel
 from specrun.kernels.engine import Engine
 from specrun.kernels.llama import Model
 from specrun.kernels.params import EngineParams, SpecParams
-from specrun.kernels.prefill import FastPrefill, fast_len
+from specrun.kernels.prefill import MIN_PROMPT, FastPrefill, fast_len
 from specrun.kernels.prefill_worker import PrefillWorker, uses_worker
 from specrun.kernels.types import SamplingParams
 
@@ -60,7 +60,29 @@ def gemma(gemma_path):
 def engine(gemma):
     with Engine(gemma.path, PARAMS, model=gemma) as e:
         toks = e.tokenize("Copy this file verbatim.\n\n" + _CODE + "\n\nCopy:\n\n" + _CODE)
-        yield e, {"two_blocks": toks[:1100], "one_block": toks[:700], "short": toks[:300]}
+        # the shortest prompts that show each property: "short" (256 + 44) crosses MIN_PROMPT,
+        # "block_and_more" (512 + 64 + 24) shares its first BLOCK with "one_block" (512 + 128 + 60),
+        # "copy" (about 300) is a copy task
+        P = {"two_blocks": toks[:1100], "one_block": toks[:700], "block_and_more": toks[:600], "short": toks[:300],
+             "copy": e.tokenize("Copy this file verbatim.\n\n" + _CODE[:800] + "\n\nCopy:\n\n" + _CODE[:150])}
+        assert len(P["copy"]) >= MIN_PROMPT
+        yield e, P
+
+
+@pytest.fixture(scope="module")
+def refs(engine):
+    """refs(name) -> (tokens, log-probabilities) of 24 greedy tokens after that prompt, fresh,
+    through the worker (a result is a function of the tokens: one computation serves every test)."""
+    e, P = engine
+    done: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in done:
+            e.reset()
+            done[name] = _run(e, P[name])[:2]
+        return done[name]
+
+    return get
 
 
 def test_the_file_decides(gemma, smollm_path):
@@ -107,9 +129,10 @@ def test_result_depends_on_the_tokens_only(engine):
 
 @pytest.mark.parametrize("sampling", [GREEDY, pytest.param(SEEDED, marks=pytest.mark.full)], ids=["greedy", "seeded"])
 def test_spec_equals_none_through_the_worker(engine, sampling):
-    """Both branches: the target as its own draft (always right at temp 0) and n-grams on a copy."""
+    """Both branches: the target as its own draft (always right at temp 0 on this prompt, whose
+    top tokens the worker's tiled kernels do not change) and n-grams from the prompt's text."""
     e, P = engine
-    prompt = P["two_blocks"]
+    prompt = P["short"]
     e.reset()
     plain = _run(e, prompt, 40, sampling, spec=SpecParams(verify="match"))[0]
     ngram = _run(e, prompt, 40, sampling, spec=SpecParams(types=("ngram-simple",), ngram_size_n=3,
@@ -127,11 +150,12 @@ def test_spec_equals_none_through_the_worker(engine, sampling):
         assert st.drafters[0].n_acc_tokens == st.drafters[0].n_gen_tokens > 0
 
 
-def test_cancel_then_retry(engine):
+def test_cancel_then_retry(engine, refs):
+    """The parent asks cancel() every POLL_S while the worker evaluates: the first ask comes long
+    before a 256-token block is done."""
     e, P = engine
-    prompt = P["two_blocks"]
-    e.reset()
-    ref = _run(e, prompt)[:2]
+    prompt = P["short"]
+    ref = refs("short")
     e.reset()
     gen = e.generate(prompt, 8, GREEDY, cancel=lambda: True)
     assert [t for c in gen for t in c] == [] and gen.stats.stop == "interrupted"
@@ -139,11 +163,12 @@ def test_cancel_then_retry(engine):
     assert _run(e, prompt)[:2] == ref
 
 
+@pytest.mark.full          # three prompts and a second load of the weights here: `make test-full`
 def test_a_worker_that_dies_leaves_the_work_here(gemma, engine, caplog):
     """Killed by a signal: one warning, the prompt in flight evaluated in this process, whose
     results are then those of an engine that never had a worker."""
     _, P = engine
-    prompt = P["one_block"]
+    prompt = P["copy"]                   # another prompt than the one before the kill (not reused)
     with Engine(gemma.path, EngineParams(n_ctx=2048, prefill_worker=False), model=gemma) as local:
         want = _run(local, prompt)[:2]
     with Engine(gemma.path, PARAMS, model=gemma) as e:
@@ -182,16 +207,17 @@ def test_close_ends_the_worker(gemma, engine):
     assert e.fast is None or e.fast.proc is None
 
 
-def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine):
+def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine, refs):
     """Ctrl-C while the worker evaluates (here raised from cancel(), which the parent polls): its
     answer may still come, so that worker is ended and the next prompt starts another, whose
     result is the same."""
     _, P = engine
-    prompt = P["two_blocks"]
+    prompt = P["short"]
+    ref = refs("short")
     with Engine(gemma.path, PARAMS, model=gemma) as e:
-        ref = _run(e, prompt)[:2]
+        e.start_prefill()
         pid = e.fast.pid
-        e.reset()
+        assert pid is not None
 
         def interrupt() -> bool:
             raise KeyboardInterrupt
@@ -202,42 +228,39 @@ def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine):
         assert _run(e, prompt)[:2] == ref and e.fast.pid not in (None, pid)
 
 
-def test_server_slots_share_one_worker_started_at_load(gemma_path, engine):
+def test_server_slots_share_one_worker_started_at_load(gemma_path, engine, refs):
     """-np 2: the slots share one worker (one repacked copy of the weights), which a server starts
     with the model; each slot's results are those of an engine of its own, also when both slots
     evaluate prompts at once; closing one slot leaves it to the other, closing both ends it."""
     import threading
 
     from specrun.cli.runtime.loading import open_engines
-    e0, P = engine
-    refs = {}
-    for k in ("two_blocks", "one_block"):
-        e0.reset()
-        refs[k] = _run(e0, P[k])[:2]
+    _, P = engine
+    want = {k: refs(k) for k in ("short", "copy")}
     engines = open_engines(str(gemma_path), PARAMS, 2, start_prefill=True)
     try:
         a, b = engines
         assert type(a.fast) is type(b.fast) is prefill_worker.PrefillHandle and a.fast.shared is b.fast.shared
         pid = a.fast.pid
         assert pid is not None and _alive(pid)                        # started at load
-        assert _run(b, P["two_blocks"])[:2] == refs["two_blocks"]
+        assert _run(b, P["short"])[:2] == want["short"]
         got: dict[str, tuple] = {}
 
         def work(e: Engine, k: str) -> None:
             e.reset()
             got[k] = _run(e, P[k])
 
-        threads = [threading.Thread(target=work, args=(a, "one_block")),
-                   threading.Thread(target=work, args=(b, "two_blocks"))]
+        threads = [threading.Thread(target=work, args=(a, "copy")),
+                   threading.Thread(target=work, args=(b, "short"))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert {k: v[:2] for k, v in got.items()} == refs
-        # the blocks one slot evaluated serve the other
+        assert {k: v[:2] for k, v in got.items()} == want
+        # the blocks one slot evaluated serve the other (a first BLOCK in common)
         a.reset()
         b.reset()
-        assert _run(a, P["two_blocks"])[2].n_prompt_fast == len(P["two_blocks"])
+        assert _run(a, P["block_and_more"])[2].n_prompt_fast == len(P["block_and_more"])
         st = _run(b, P["one_block"])[2]
         assert 0 < st.n_prompt_fast < len(P["one_block"]) - 256
         # a slot waiting for the worker still stops when asked
@@ -247,7 +270,7 @@ def test_server_slots_share_one_worker_started_at_load(gemma_path, engine):
             assert [t for c in gen for t in c] == [] and gen.stats.stop == "interrupted"
         b.close()                                                      # (a owns the model: closed last)
         a.reset()
-        assert _alive(pid) and _run(a, P["one_block"])[:2] == refs["one_block"] and a.fast.pid == pid
+        assert _alive(pid) and _run(a, P["copy"])[:2] == want["copy"] and a.fast.pid == pid
     finally:
         for e in reversed(engines):
             e.close()
