@@ -140,9 +140,9 @@ def test_controls_change_the_text_and_spec_keeps_it(tmp_path, free, control, tem
 
 @pytest.mark.slow
 def test_ignore_eos_generates_past_the_end_of_the_answer():
-    short = json.loads(invoke("-m", MODEL, "-p", CHAT, "--temp", "0", "-n", "24", "--json").stdout)
+    short = json.loads(invoke("-m", MODEL, "-no-cnv", "-p", CHAT, "--temp", "0", "-n", "24", "--json").stdout)
     assert short["stop"] == "eog" and len(short["tokens"]) < 24
-    long = json.loads(invoke("-m", MODEL, "-p", CHAT, "--temp", "0", "-n", "24", "--json", "--ignore-eos").stdout)
+    long = json.loads(invoke("-m", MODEL, "-no-cnv", "-p", CHAT, "--temp", "0", "-n", "24", "--json", "--ignore-eos").stdout)
     assert long["stop"] == "n_predict" and len(long["tokens"]) == 24
     assert long["tokens"][:len(short["tokens"]) - 1] == short["tokens"][:-1]    # the same answer, then more
     assert re.search(r"\S", long["text"][len(short["text"]):])
