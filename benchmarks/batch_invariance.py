@@ -114,13 +114,47 @@ def batched(model: Model, prompts: dict[int, np.ndarray], ref: list[int], n_thre
         return toks_a[:N_STEPS], rows[:N_STEPS + 1]
 
 
+def prompt_split(model: Model, n_threads: int) -> dict:
+    """A 150-token prompt (64+ rows: flash attention's tiled kernel, were it taken) in one chunk, against
+    the same prompt split 1 + 149 by another sequence's row (llama.cpp's equal split of a batch of
+    several streams) and one token at a time: its rows' logits, then 8 greedy steps'."""
+    long = model.tokenize(", ".join(map(str, range(1, 41))) + ",")
+    n = len(long)
+
+    def run(how: str) -> np.ndarray:
+        with Context(model, ContextParams(n_ctx=1024, n_batch=512, n_threads=n_threads, n_seq_max=2)) as c:
+            c.decode_seqs([5, 6, 7], range(3), [1] * 3, [0] * 3)
+            if how == "split":
+                c.decode_seqs([*long, 8], [*range(n), 3], [0] * n + [1], [1] * n + [0])
+            elif how == "chunk":
+                c.decode_seqs(long, range(n), [0] * n, [1] * n)
+            rows = [c.outputs_rows().copy()] if how != "one" else []
+            for i in range(n if how == "one" else 0):
+                c.decode_seqs([long[i]], [i], [0], [1])
+                rows.append(c.outputs_rows().copy())
+            rows = [np.concatenate(rows)]
+            tok = int(rows[0][-1].argmax())
+            for i in range(8):
+                c.decode_seqs([tok], [n + i], [0], [1])
+                rows.append(c.outputs_rows().copy())
+                tok = int(rows[-1][0].argmax())
+            return np.concatenate(rows)
+
+    chunk = run("chunk")
+    out = {"n_prompt": n}
+    for how in ("split", "one"):
+        other = run(how)
+        out[how] = f"{sum(bool(np.array_equal(a, b)) for a, b in zip(chunk, other, strict=True))}/{len(chunk)}"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gemma-3-270m,smollm2-135m-instruct")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/batch_invariance.json"))
     args = ap.parse_args()
-    results = []
+    results, splits = [], []
     for name in args.models.split(","):
         model = Model(resolve_model(name), exact=True)
         texts = [PROMPT_A, "The quick brown fox", "def fib(n):\n    return", "Once upon a time, in a land far"]
@@ -134,11 +168,14 @@ def main() -> None:
                  "rows_identical": same, "max_abs_diff": diff, "text_equal": toks == ref_toks}
             print(r, flush=True)
             results.append(r)
+        split = {"model": name, **prompt_split(model, args.threads)}
+        print(split, flush=True)
+        splits.append(split)
         model.close()
     out = Path(args.out)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "threads": args.threads,
             "n_steps": N_STEPS}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    out.write_text(json.dumps({"meta": meta, "results": results, "prompt_split": splits}, indent=1) + "\n")
     lines = ["# One sequence's logits beside others in one decode (benchmarks/batch_invariance.py)", "",
              f"{meta['date']}, {args.threads} threads, exact mode, A's prompt {results[0]['n_prompt']}+ tokens, "
              f"{N_STEPS} steps (one-token and verify rows) beside other sequences' prompt chunks, steps and "
@@ -148,6 +185,10 @@ def main() -> None:
     for r in results:
         lines.append(f"| {r['model']} | {r['kv_unified']} | {r['rows_identical']}/{r['rows']} | "
                      f"{r['max_abs_diff']:.3g} | {r['text_equal']} |")
+    lines += ["", "A 150-token prompt's rows and 8 greedy steps after it, each row compared with the prompt "
+              "decoded in one chunk:", "", "| model | split 1 + 149 beside another sequence | one token at a time |",
+              "|---|---|---|"]
+    lines += [f"| {r['model']} | {r['split']} | {r['one']} |" for r in splits]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -14,11 +14,13 @@ same way whatever the batch holds: kernels/llama.py), and the context keeps a KV
 sequence (kv_unified False), so a sequence's flash attention reads only its own cells, in position
 order, as a one-sequence context lays them out. With one unified buffer, once a sequence leaves,
 the others' next positions go into the cells it left, before their earlier ones, and the attention
-sums them in another order (benchmarks/results/batch_invariance.md). Flash attention also picks its tiled kernel by
-the rows a sequence has in a ubatch (64+: GGML_FA_TILE_Q), and llama.cpp splits a batch of several
-streams into ubatches of equal rows per sequence; so a prompt chunk of 64+ rows is decoded alone
-(its rows take the tiled kernel, as the Engine's prompt chunks do) and every other row (verify
-rows: at most 63 a sequence) goes in the shared decode.
+sums them in another order (benchmarks/results/batch_invariance.md). llama.cpp splits a batch of
+several streams into ubatches of equal rows per sequence, so how many of a sequence's rows share a
+ubatch depends on the other sequences; flash attention picks its tiled kernel by that count (64+
+rows: GGML_FA_TILE_Q, the reason for exact mode's 63-row verify cap). With exact mode's Q8_0 K
+cache a prompt's rows came out the same either way (batch_invariance.md's second table), but a
+prompt chunk of 64+ rows is still decoded on its own, as the Engine decodes it, and every other
+row (verify rows: at most 63 a sequence) goes in the shared decode.
 
 Prompts are evaluated here, in chunks of n_ubatch from the first position not reused, as the
 Engine's exact path does (EngineParams.fast_prefill False); hidden-row drafters (draft-mtp,
