@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from drafters import OracleDraft, ShiftedDraft
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.batch import BatchEngine, BatchParams, Request, draft_budget
@@ -17,7 +18,6 @@ from specrun.kernels.engine import Engine
 from specrun.kernels.llama import Context, ContextParams, Model
 from specrun.kernels.params import EngineParams, SpecParams
 from specrun.kernels.types import SamplingParams
-from tests.drafters import OracleDraft, ShiftedDraft
 
 pytestmark = pytest.mark.slow
 
