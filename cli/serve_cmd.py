@@ -129,7 +129,7 @@ def serve_options(host, port, parallel, max_queue, api_key, alias, prefill_assis
     chat_template, chat_template_file = chat_template_choice(kw)
     params = engine_params(kw)
     sampling = sampling_params(kw)   # a bad penalty, bias or grammar: one line before the port is bound
-    if not kw["threads"]:   # the default threads (all cores, or LLAMA_ARG_THREADS), shared between the slots
+    if not kw["threads"]:   # the default threads (the idle cores, or LLAMA_ARG_THREADS), shared between the slots
         from specrun.kernels.llama import default_threads
 
         params = replace(params, n_threads=max(1, default_threads() // parallel))
@@ -138,4 +138,4 @@ def serve_options(host, port, parallel, max_queue, api_key, alias, prefill_assis
                         chat_template=chat_template, chat_template_file=chat_template_file,
                         prefill_assistant=prefill_assistant, drain_timeout=drain_timeout, max_body=max_body,
                         body_timeout=body_timeout, slots_endpoint=slots_endpoint, slots_debug=slots_debug,
-                        verbose=kw["verbose"])
+                        verbose=kw["verbose"], auto_refresh=kw["auto_refresh"])

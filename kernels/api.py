@@ -212,7 +212,7 @@ def load(model: str | os.PathLike, *, spec_type: str | Sequence[str] = "none",
     spec_type: llama.cpp's --spec-type names or aliases, as "ngram-simple,draft" or a tuple; "none"
     drafts nothing. draft_model: -md, the GGUF that draft, draft-eagle3 or draft-mtp (heads only)
     drafts with. n_ctx: the context in tokens (0: the model's training context). n_threads: 0 for
-    all cores (LLAMA_ARG_THREADS sets the default). exact: verify logits equal one-token decoding.
+    the idle cores (LLAMA_ARG_THREADS sets the default). exact: verify logits equal one-token decoding.
     spec: SpecParams' settings (n_max, n_min, p_min, ngram_size_n, ngram_size_m, ngram_min_hits,
     ngram_match, verify, adaptive, ngram_map_k, ngram_map_k4v, ngram_mod, ngram_cache).
     Raises SpecTypeError, SettingError, ModelFileError, IncompatibleDraft or GGUFError: one line each.

@@ -596,15 +596,17 @@ def test_auto_cache_measures_once_per_key(tmp_path):
     assert not broken.hit and calls == [1] and json.loads(first.path.read_text())["entry"]["key"] == KEY
 
 
-def test_auto_refresh_option_sets_the_refresh(monkeypatch):
-    from specrun.cli.runtime import auto
+def test_auto_refresh_option_reaches_run_and_serve():
+    """--spec-auto-refresh is a field of the checked options, for run and serve alike (no module default)."""
+    from specrun.cli.runtime.options import run_options
+    from specrun.cli.serve_cmd import serve_options
 
-    monkeypatch.setattr(auto, "REFRESH", False)
-    cmd = cli.commands["run"]
-    cmd.make_context("run", ["-m", "x.gguf", "-p", "hi", "--spec-auto-refresh"])
-    assert auto.REFRESH is True
-    cmd.make_context("run", ["-m", "x.gguf", "-p", "hi"])
-    assert auto.REFRESH is False
+    for args, want in ((["-m", "x.gguf", "-p", "hi", "--spec-auto-refresh"], True), (["-m", "x.gguf", "-p", "hi"], False)):
+        ctx = cli.commands["run"].make_context("run", args)
+        assert run_options(ctx.params, prompt="hi").auto_refresh is want
+    serve = cli.commands["serve"]
+    for args, want in ((["-m", "x.gguf", "--spec-auto-refresh"], True), (["-m", "x.gguf"], False)):
+        assert serve_options(**serve.make_context("serve", args).params).auto_refresh is want
 
 
 def test_auto_uses_its_cache_on_the_next_run(smollm_path, tmp_path, capsys):

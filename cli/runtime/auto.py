@@ -71,16 +71,8 @@ def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     return out + [replace(base, types=(t,), n_max=k) for t in models for k in AUTO_N_MAX if k <= engine.n_max_cap]
 
 
-# --spec-auto-refresh's value for a caller that passes no refresh: run and chat pass RunOptions.auto_refresh;
-# serve's loader passes none yet, so the option's callback (cli.runtime.options) also sets this default
-REFRESH = False
 _LIVE = measure   # kernels.calibrate's own, the one that is cached by default
 REFRESH_HINT = "--spec-auto-refresh measures again"
-
-
-def set_refresh(on: bool) -> None:
-    global REFRESH
-    REFRESH = bool(on)
 
 
 def auto_cache_dir() -> Path:
@@ -102,14 +94,14 @@ def calibrate_with_progress(engine: Engine, prompt_tokens, candidates: list[Spec
 
 
 def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measure=measure,
-                 refresh: bool | None = None, cache: Path | None = None) -> SpecParams:
+                 refresh: bool = False, cache: Path | None = None) -> SpecParams:
     """The SpecParams that `--spec-type auto` stands for on this engine and prompt (None: a
     built-in free-text prompt, for chat and serve). Prints the choice and its reason on stderr.
     base: the command's --spec-* options (ngram sizes, p-min, verify... are kept; --spec-draft-adaptive
     applies to the chosen setting, the calibration itself runs without it). measure: kernels.calibrate's,
     or a test's with injected timings. cache: the folder of the machine's costs (default: auto_cache_dir()
     for kernels.calibrate's measure; a test's measure is cached only when cache is given); refresh
-    (default: --spec-auto-refresh) measures again and overwrites."""
+    (--spec-auto-refresh) measures again and overwrites."""
     builtin = prompt_tokens is None or len(prompt_tokens) == 0
     if builtin:
         prompt_tokens = engine.tokenize(PROMPTS["free"])
@@ -118,7 +110,7 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
         cache = auto_cache_dir()
     cached = None
     if cache is not None:
-        measure = cached = CachedMeasure(cache, engine_key(engine), refresh=REFRESH if refresh is None else refresh,
+        measure = cached = CachedMeasure(cache, engine_key(engine), refresh=refresh,
                                          measure=measure)
     choice = calibrate_with_progress(engine, prompt_tokens, cands, measure=measure)
     spec, reason = choice.spec, choice.reason

@@ -251,15 +251,6 @@ def ngram_family_params(kw: dict) -> dict:
                 ngram_cache=NgramCacheParams(kw.get("lookup_static"), kw.get("lookup_dynamic")))
 
 
-def _auto_refresh(ctx, param, value):
-    """--spec-auto-refresh reaches run and chat as RunOptions.auto_refresh; serve, which does not
-    pass it to resolve_auto yet, still reads it from runtime.auto's module default."""
-    from .auto import set_refresh  # the calibration's module, loaded only when a command runs
-
-    set_refresh(value)
-    return value
-
-
 def spec_options(f):
     @click.option("--spec-type", "spec_type", callback=_spec_type, default=None,
                   help=f"comma-separated: none, {spelled(SPEC_TYPE_LIST)}; or auto "
@@ -289,7 +280,7 @@ def spec_options(f):
     @ngram_family_options
     @click.option("--spec-verify", "verify", type=click.Choice(["auto", "match", "rejection"]), default="auto",
                   show_default=True, help="rejection = speculative sampling when the drafter has a distribution")
-    @click.option("--spec-auto-refresh", "auto_refresh", is_flag=True, callback=_auto_refresh,
+    @click.option("--spec-auto-refresh", "auto_refresh", is_flag=True,
                   help="--spec-type auto: measure this machine's costs again (they are cached per model file, "
                        "machine, threads and settings) and overwrite the cached ones")
     @click.option("--spec-draft-adaptive", "adaptive", is_flag=True,

@@ -54,6 +54,7 @@ class ServeOptions:
     slots_endpoint: bool                # GET /slots shows the slots (--no-slots: it does not)
     slots_debug: bool                   # /slots shows the requests' texts too (LLAMA_SERVER_SLOTS_DEBUG)
     verbose: bool                       # -v: uvicorn's info log and access log too
+    auto_refresh: bool = False          # --spec-auto-refresh: auto measures this machine's costs again
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +188,7 @@ def build(opt: ServeOptions, engines: list[Engine]) -> Built:
             reason = str(e)
         spec_types = ["none", *engines[0].spec_types]
         if auto:
-            params = resolve_auto_spec(engines, params)
+            params = resolve_auto_spec(engines, params, refresh=opt.auto_refresh)
         stem = os.path.splitext(os.path.basename(model.path))[0]
         config = ServerConfig(alias=opt.alias or (opt.model if opt.model in KNOWN_MODELS else stem),
                               sampling=opt.sampling, n_predict=opt.n_predict, spec=params.spec,
@@ -204,10 +205,11 @@ def build(opt: ServeOptions, engines: list[Engine]) -> Built:
     return Built(state, app, tuple(params.spec.types), tuple(spec_types))
 
 
-def resolve_auto_spec(engines: list[Engine], params: EngineParams) -> EngineParams:
+def resolve_auto_spec(engines: list[Engine], params: EngineParams, *, refresh: bool = False) -> EngineParams:
     """--spec-type auto: measure on the first engine and choose its spec types (runtime.auto), then
-    give every slot that spec and the first engine's pass costs. Returns params with the spec chosen."""
-    params = replace(params, spec=resolve_auto(engines[0], params.spec))
+    give every slot that spec and the first engine's pass costs. refresh: measure again (no cached
+    machine costs). Returns params with the spec chosen."""
+    params = replace(params, spec=resolve_auto(engines[0], params.spec, refresh=refresh))
     for e in engines:
         e.set_spec(params.spec)
     for e in engines[1:]:   # the calibration's pass costs, for every slot
