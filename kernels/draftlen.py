@@ -48,16 +48,9 @@ LEVEL_W = 0.5        # weight of one pass in PassCost's level (its noise moves e
 SHAPE_W = 1 / 16     # ... and in its shape, base(r)
 # The pass sizes timed before t(r) is used (the engine's probe, auto's calibration), those up to the
 # longest pass; t(r) is linear between them. Both sides of every 4th row: llama.cpp's CPU matmuls take
-# the rows in blocks of 4 on x86, and the row past a block costs most (Xeon, 2 threads, 200-token
-# context: SmolLM2 8 -> 9 rows 39.4 -> 45.8 ms, 16 -> 17 70.2 -> 77.3; Gemma 3 270M 4 -> 5 34.6 -> 50.8,
-# 16 -> 17 91.6 -> 100.7, 7 rows = 8), so a draft of 4k - 1 tokens pays where one more does not.
-# Replayed on 39 texts with the true 1..49-row curve (benchmarks/draft_length_replay.py's texts,
-# ngram-simple n3 m16 adaptive, 128 tokens), the policy that reads t(r) through 1, 2, 4, 8, 16 makes
-# 1.56-1.57x none (geometric mean), through these sizes 1.63x, through every size 1.63x; fixed n3 m16
-# 1.39x. Live, a size first seen in a generation also sets its base from one pass at that context's
-# depth while the probed ones stay near the probe's: with 1, 2, 4, 8, 16 a 12-row pass read 16 %
-# dearer than the line through 8 and 16 rows, and SmolLM2's code rewrite took 18-20 passes (184 tok/s)
-# where fixed n3 m16 takes 12 (195).
+# the rows in blocks of 4 on x86, and the row past a block costs most, so a draft of 4k - 1 tokens
+# pays where one more does not. Probing every such size, not only powers of 2, keeps a size first
+# seen live in line with the probed ones. The measurements: docs/design.md, "The pass-cost curve".
 CURVE_ROWS = (1, 2, 4, 5, 8, 9, 12, 13, 16, 17, 32, 33, 64)
 
 
@@ -122,9 +115,9 @@ class PassCost:
     of a row count seen before moves the level (scale) by LEVEL_W of the way to seconds /
     base(rows), then base(rows) by SHAPE_W of the way to seconds / scale; a count's first pass
     sets its base(rows). So the plain steps at a longer context raise the whole curve, not t(1)
-    alone: a curve probed near position 0 and read at a 2,300-token context (where a SmolLM2 row
-    costs 2.5x what it did, and 17 rows still about 10x one) would otherwise set a stale t(17)
-    against a fresh t(1) and call long drafts cheap. A draft's length depends on the shape only
+    alone: a curve probed near position 0 and read deep into a long context (where every pass
+    costs more, while t(17) / t(1) stays about the same) would otherwise set a stale t(17) against a fresh t(1)
+    and call long drafts cheap. A draft's length depends on the shape only
     (E(k) / t(k + 1) is compared across k at one level)."""
 
     sums: dict[int, list[float]] = field(default_factory=dict)   # r -> [passes (at most 32), base(r) seconds]

@@ -216,11 +216,10 @@ class Engine:
         """The recurrent-state snapshots a hybrid model's context keeps (llama.cpp's n_rs_seq): the
         longest draft of the drafters that read the target's rows (draft-mtp, draft-eagle3: their
         contexts follow the target's, so its rollback must be in place), within the cap; 0 for the
-        others, as llama.cpp's need_n_rs_seq. Every decode writes the snapshots (measured on the
-        realistic synthetic qwen35, f16, 2 threads, one run: one token costs 18.4 ms with 0, 21.0
-        with 16, 24.0 with 48; each is a copy of the state, 2.6 MiB there), so n-gram and draft-model
-        drafts longer than the snapshots are verified behind a checkpoint instead (_step). Other
-        models ignore it."""
+        others, as llama.cpp's need_n_rs_seq. Every decode writes the snapshots (each a copy of the
+        state), so each one costs time on every token (docs/design.md, "Hybrid models"): n-gram and
+        draft-model drafts longer than the snapshots are verified behind a checkpoint instead
+        (_step). Other models ignore it."""
         hidden = ([d.spec_type for d in drafters if d.needs_hidden] if drafters
                   else [t for t in spec.types if t in HIDDEN_TYPES])
         return max((min(draft_n_max(t, spec), self.n_max_cap) for t in hidden), default=0)
@@ -457,11 +456,10 @@ class Engine:
     def _measure_pass_cost(self, max_rows: int, rounds: int = 2) -> None:
         """Time target passes of draftlen.curve_rows(max_rows) rows past the KV cache's end
         (measure_passes): what --spec-draft-adaptive needs to know before any draft was long.
-        `rounds` rounds, the fastest per row count (noise only adds time: one pass once read
-        1.5-1.7x at 2-8 rows on SmolLM2, and a row count the policy then avoids is never timed
-        again), into pass_cost. Once per engine, unless seeded (seed_pass_cost: auto's calibration),
-        and not counted as prompt time; up to 17 rows on 2 threads (Xeon) 1.2 s on Gemma 3 270M,
-        0.8 s on SmolLM2."""
+        `rounds` rounds, the fastest per row count (noise only adds time, and a row count the
+        policy then avoids is never timed again), into pass_cost. Once per engine, unless seeded
+        (seed_pass_cost: auto's calibration), and not counted as prompt time. Its cost:
+        docs/design.md, "The pass-cost curve"."""
         if len(self.kv_tokens) + max_rows >= self.n_ctx:
             return
         curve = self.measure_passes(curve_rows(max_rows), np.asarray(self.kv_tokens, dtype=np.int32), rounds,
