@@ -1,7 +1,8 @@
 """What a generation is asked to do: llama.cpp's --spec-* options and the engine's settings.
 
-Spec types are exactly llama.cpp's --spec-type strings; several may be combined, and they are
-then tried in llama.cpp's order (n-grams first, then the draft model, then MTP heads).
+Spec types are exactly llama.cpp's --spec-type strings, plus specrun's own `suffix` (suffix decoding,
+which llama.cpp lacks); several may be combined, and they are then tried in llama.cpp's order (n-grams
+first, then suffix, then the draft model, then MTP heads).
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ class NgramCacheParams:
 
 
 @dataclass(frozen=True, slots=True)
+class SuffixParams:
+    """--spec-suffix-*: suffix decoding's settings (specrun's own flags: llama.cpp has no suffix type;
+    the defaults are vLLM's suffix_decoding_* ones, from Snowflake's ArcticInference)."""
+
+    max_depth: int = 24               # a match and its draft together span at most this many tokens
+    max_spec_factor: float = 1.0      # a draft is at most this many times the match's length
+    min_token_prob: float = 0.1       # a drafted token's estimated probability (counts along the path) >= this
+    max_cached_requests: int = 10000  # requests whose output the global tree keeps (least recent out); 0: no global tree
+    cache_file: str | None = None     # --spec-suffix-cache: the global tree, loaded at start and saved at exit
+
+
+@dataclass(frozen=True, slots=True)
 class SpecParams:
     """llama.cpp's --spec-* options (defaults as its common.h). ngram_size_* are ngram-simple's."""
 
@@ -61,6 +74,7 @@ class SpecParams:
     ngram_map_k4v: NgramMapParams = NgramMapParams()
     ngram_mod: NgramModParams = NgramModParams()
     ngram_cache: NgramCacheParams = NgramCacheParams()
+    suffix: SuffixParams = SuffixParams()
     verify: str = "auto"       # auto | match | rejection
     adaptive: bool = False     # each step's draft length from acceptance and pass cost (kernels/draftlen), 1..n_max
 
@@ -72,7 +86,7 @@ class SpecType:
     SPEC_TYPE_LIST below."""
 
     name: str                # exactly llama.cpp's --spec-type string (llama-server's, for `specrun export`)
-    order: int               # its place in llama.cpp's common_speculative_init (n-grams first)
+    order: int               # its place in llama.cpp's common_speculative_init (n-grams first; suffix after them)
     drafter: str             # "module.Class" in kernels/drafters/: the class whose from_spec() builds it
     vllm: str | None         # `specrun export`: vLLM's speculative method (None: vLLM has none)
     sglang: str              # `specrun export`: SGLang's --speculative-algorithm
@@ -101,11 +115,11 @@ def _map_label(p: NgramMapParams) -> str:
 # every spec type, in the order --spec-type's help and errors list them; the defaults of their
 # settings are SpecParams' and the Ngram*Params' above
 SPEC_TYPE_LIST = (
-    SpecType("draft-simple", 5, "draft_model.DraftModel", "draft_model", "STANDALONE", aliases=("draft",), model=True,
+    SpecType("draft-simple", 6, "draft_model.DraftModel", "draft_model", "STANDALONE", aliases=("draft",), model=True,
              md="a draft model: add -md DRAFT.gguf (a small model of the same family)"),
-    SpecType("draft-eagle3", 6, "draft_eagle3.DraftEagle3", "eagle3", "EAGLE3", model=True, hidden=True,
+    SpecType("draft-eagle3", 7, "draft_eagle3.DraftEagle3", "eagle3", "EAGLE3", model=True, hidden=True,
              md="an EAGLE-3 draft: add -md EAGLE3.gguf (converted for this model)"),
-    SpecType("draft-mtp", 7, "draft_mtp.DraftMTP", "mtp", "NEXTN", model=True, mtp_heads=True, hidden=True),
+    SpecType("draft-mtp", 8, "draft_mtp.DraftMTP", "mtp", "NEXTN", model=True, mtp_heads=True, hidden=True),
     SpecType("ngram-simple", 0, "ngram_simple.NgramSimple", "ngram", "NGRAM", n_max=lambda s: s.ngram_size_m,
              key=lambda s: (s.ngram_size_n, s.ngram_size_m, s.ngram_match or "last"),
              label=lambda s: f"size-n {s.ngram_size_n} size-m {s.ngram_size_m}"
@@ -119,6 +133,11 @@ SPEC_TYPE_LIST = (
              label=lambda s: f"n-match {s.ngram_mod.n_match} n-min {s.ngram_mod.n_min} n-max {s.ngram_mod.n_max}"),
     SpecType("ngram-cache", 4, "ngram_cache.NgramCache", None, "NGRAM", n_max=lambda s: NGRAM_CACHE_N_DRAFT,
              key=lambda s: (s.ngram_cache,), label=lambda s: ""),
+    # specrun's own (llama.cpp has none): after llama.cpp's n-grams, before the model drafters
+    SpecType("suffix", 5, "suffix.Suffix", "suffix", "SUFFIX", n_max=lambda s: max(1, s.suffix.max_depth - 1),
+             key=lambda s: (s.suffix,),
+             label=lambda s: f"max-depth {s.suffix.max_depth} max-spec-factor {s.suffix.max_spec_factor:g} "
+                             f"min-token-prob {s.suffix.min_token_prob:g}"),
 )
 SPEC_TYPE = {t.name: t for t in SPEC_TYPE_LIST}
 IN_ORDER = tuple(sorted(SPEC_TYPE_LIST, key=lambda t: t.order))   # llama.cpp's order

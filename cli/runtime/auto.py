@@ -10,7 +10,9 @@ predicted faster, or an ngram-simple setting won on the built-in prompt of chat 
 request's text), ngram-simple stays on with --spec-draft-adaptive, which holds it back (0 rows, the
 engine scores its whole proposals instead) on text it does not predict. Every n-gram type of
 llama.cpp is a candidate (ngram-simple at the command's sizes and at n2 m16, ngram-map-k, -map-k4v,
-ngram-mod, ngram-cache), probed on the same prompt.
+ngram-mod, ngram-cache), and specrun's suffix (probed without its global tree: what a first request
+gets), probed on the same prompt. suffix, like ngram-simple, runs adaptive when it won on the built-in
+prompt.
 
 The machine's costs (the verify-cost curve, T1, each drafter's c0 and c1) are cached in
 auto_cache_dir(), keyed by the model files, the machine, the threads and the settings
@@ -54,8 +56,8 @@ AUTO_NGRAM_SIZES = ((2, 16),)
 # ngram-simple's candidates copy from the earlier occurrence with the longest matching context
 # (kernels/drafters/ngram_simple.py; --spec-ngram-simple-match last keeps llama.cpp's last one)
 AUTO_NGRAM_MATCH = "longest"
-# llama.cpp's other n-gram drafters, which auto also probes, each with its own flags (the command's,
-# llama.cpp's defaults unless given): one probe per rep each, as an n-gram has no n-max to vary
+# llama.cpp's other n-gram drafters and specrun's suffix, which auto also probes, each with its own flags
+# (the command's, the defaults unless given): one probe per rep each, as an n-gram has no n-max to vary
 AUTO_NGRAM_TYPES = tuple(t for t in NGRAM_TYPES if t != "ngram-simple")
 
 
@@ -66,9 +68,16 @@ def auto_candidates(engine: Engine, base: SpecParams) -> list[SpecParams]:
     match = base.ngram_match or AUTO_NGRAM_MATCH
     out = [replace(base, types=("ngram-simple",), ngram_size_n=n, ngram_size_m=m, ngram_match=match)
            for n, m in sizes if m <= engine.n_max_cap]
-    out += [replace(base, types=(t,)) for t in AUTO_NGRAM_TYPES]
+    out += [replace(base, types=(t,)) if t != "suffix" else _cold_suffix(base) for t in AUTO_NGRAM_TYPES]
     models = [t for t in engine.spec_types if t in MODEL_TYPES]
     return out + [replace(base, types=(t,), n_max=k) for t in models for k in AUTO_N_MAX if k <= engine.n_max_cap]
+
+
+def _cold_suffix(base: SpecParams) -> SpecParams:
+    """suffix's candidate probes without the global tree: its probes repeat one prompt, and each would
+    draft the last one's output from it. So auto sees what a first request gets (the request's own
+    text); the chosen setting runs with the command's global tree again (resolve_auto)."""
+    return replace(base, types=("suffix",), suffix=replace(base.suffix, max_cached_requests=0))
 
 
 _LIVE = measure   # kernels.calibrate's own, the one that is cached by default
@@ -119,19 +128,22 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
         engine.seed_pass_cost(verify)   # the adaptive length starts from this curve
     # an n-gram setting chosen on the request's own prompt runs as it was calibrated (the probes saw
     # this text pay); on the built-in prompt, ngram-simple goes adaptive (the setting that won, or
-    # n2 m16 when another n-gram type won there: the built-in text says little of the requests').
+    # n2 m16 when another n-gram type won there: the built-in text says little of the requests'), and
+    # so does suffix when it won there.
     # ngram-mod always runs as calibrated: its own n-min rule (a 48-token chain or nothing) keeps it
     # silent on text it does not predict, and cut drafts would count as rejected in its
     # low-acceptance reset
     if not spec.types or (builtin and _ngram(spec) and spec.types != ("ngram-mod",)):
         # n-grams stay on, adaptive, so that each text decides (held back, at the cost of a lookup
         # per token, while a plain step pays more)
-        ngram = spec if spec.types == ("ngram-simple",) else next(
+        ngram = spec if spec.types in (("ngram-simple",), ("suffix",)) else next(
             (c for c in cands if c.types == ("ngram-simple",) and (c.ngram_size_n, c.ngram_size_m) == AUTO_NGRAM_SIZES[0]),
             next((c for c in cands if _ngram(c)), None))
         if ngram is not None:
             reason = _adaptive_reason(replace(ngram, adaptive=True), choice, builtin)
             spec = replace(ngram, adaptive=True)
+    if "suffix" in spec.types:
+        spec = replace(spec, suffix=base.suffix)     # probed cold (_cold_suffix); runs with the global tree
     if cached is not None and cached.hit:
         reason += f" [machine costs from the cache ({cached.path}); {REFRESH_HINT}]"
     err_console.print(f"spec auto: {reason}", markup=False, soft_wrap=True)

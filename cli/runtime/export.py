@@ -20,6 +20,7 @@ instead, and were checked against the sources cited beside them. A row is one of
 | ngram-map-k4v       | ngram: nearest                    | NGRAM: nearest                     | ngram-map-k4v: exact     |
 | ngram-mod           | ngram: nearest                    | NGRAM: nearest                     | ngram-mod: exact         |
 | ngram-cache         | none (ExportError)                | NGRAM match-type PROB: nearest     | ngram-cache: exact       |
+| suffix              | suffix: exact (its settings)      | SUFFIX: nearest (settings unsent)  | none (ExportError)       |
 | auto                | none: measured after loading      | none                               | none                     |
 | several types       | none: one method per server       | none: one algorithm per server     | the same list: exact     |
 """
@@ -110,6 +111,10 @@ def export_command(plan: Plan) -> Export:
 
 def _llama_server(p: Plan) -> Export:
     s, notes = p.spec, []
+    if "suffix" in s.types:
+        raise ExportError("llama-server has no suffix decoding (--spec-type suffix is specrun's own); its nearest "
+                          "drafters are the n-gram types (export --spec-type ngram-mod or ngram-simple), or "
+                          "export --to vllm, whose method suffix is the same algorithm")
     argv = ["llama-server", "-m", str(p.model.path)]
     if p.draft is not None and set(MODEL_TYPES) & set(s.types):
         argv += ["-md", str(p.draft.path)]
@@ -195,6 +200,12 @@ def _vllm(p: Plan) -> Export:
         raise ExportError("vLLM has no n-gram cache (llama.cpp's lookup statistics, -lcs/-lcd files); its drafters "
                           "without a model are ngram (export --spec-type ngram-simple) and suffix; or export "
                           "--to llama-server")
+    elif t == "suffix":
+        x = s.suffix
+        cfg = {"method": own.vllm, "num_speculative_tokens": x.max_depth, "suffix_decoding_max_tree_depth": x.max_depth,
+               "suffix_decoding_max_cached_requests": x.max_cached_requests,
+               "suffix_decoding_max_spec_factor": x.max_spec_factor, "suffix_decoding_min_token_prob": x.min_token_prob}
+        _suffix_notes(p, "vLLM", notes)
     elif t in NGRAM_TYPES:
         n, k = _ngram_window(s, t)
         cfg = {"method": own.vllm, "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n}
@@ -233,6 +244,12 @@ def _sglang(p: Plan) -> Export:
             argv += ["--speculative-draft-model-path", _draft_repo(p, "SGLang", notes)]
         argv += ["--speculative-num-steps", str(s.n_max), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(s.n_max + 1)]
+    elif t == "suffix":
+        argv += ["--speculative-algorithm", SPEC_TYPE[t].sglang, "--speculative-num-draft-tokens",
+                 str(s.suffix.max_depth)]
+        notes.append("--spec-type suffix: SGLang's SUFFIX is newer than the SGLang docs this export was checked "
+                     "against; the --spec-suffix-* settings are not exported (check its own suffix flags)")
+        _suffix_notes(p, "SGLang", notes)
     elif t in NGRAM_TYPES:
         c = s.ngram_cache
         if t == "ngram-cache" and (c.lookup_cache_static or c.lookup_cache_dynamic):
@@ -322,6 +339,12 @@ def _ngram_notes(p: Plan, t: str, nearest: str, notes: list[str], simple_exact: 
         notes.append(f"--spec-type {t} has no equivalent; nearest: {nearest}; not carried over: {what}")
     elif t == "ngram-simple" and s.ngram_min_hits != 1:
         notes.append(f"--spec-ngram-simple-min-hits {s.ngram_min_hits}: not exported; {nearest} has no such setting")
+
+
+def _suffix_notes(p: Plan, engine: str, notes: list[str]) -> None:
+    if p.spec.suffix.cache_file:
+        notes.append(f"--spec-suffix-cache {p.spec.suffix.cache_file}: not exported; {engine} keeps its global tree "
+                     "in memory only")
 
 
 def _draft_knobs(p: Plan, t: str | None, engine: str, notes: list[str]) -> None:

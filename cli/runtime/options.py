@@ -16,13 +16,16 @@ import os
 import re
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
 from specrun.gguf_spec.errors import SpecrunError
+from specrun.gguf_spec.output import check_output
 from specrun.kernels import rpc
 from specrun.kernels.constrain import check_controls
+from specrun.kernels.drafters.suffix import read_cache
 from specrun.kernels.grammar import GrammarError, check_grammar, schema_to_gbnf
 from specrun.kernels.params import (
     KV_TYPES,
@@ -33,6 +36,7 @@ from specrun.kernels.params import (
     NgramMapParams,
     NgramModParams,
     SpecParams,
+    SuffixParams,
     parse_spec_types,
     spelled,
 )
@@ -49,6 +53,7 @@ UBATCH_DEFAULT = 512
 MAX_THREADS = 512     # ggml.h GGML_MAX_N_THREADS: more crash the CPU backend (-t 100000: SIGSEGV)
 # the --spec-* defaults (llama.cpp's common.h), written once in kernels.params
 SPEC_DEFAULT, MAP_DEFAULT, MOD_DEFAULT = SpecParams(), NgramMapParams(), NgramModParams()
+SUFFIX_DEFAULT = SuffixParams()
 
 
 def _spec_type(ctx, param, value):
@@ -212,9 +217,48 @@ def console_options(f):
                         help="accepted; specrun never prints the prompt")(f)
 
 
+def _suffix_cache(ctx, param, value):
+    """--spec-suffix-cache FILE: a file that exists must be a suffix cache; its folder must exist (it is
+    written at exit). The model's tokenizer is checked when the model loads."""
+    if value is None:
+        return None
+    try:
+        check_output(value, file_only=True)
+        if Path(value).exists():
+            read_cache(value)
+    except SpecrunError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
+def suffix_options(f):
+    """specrun's own flags of --spec-type suffix (llama.cpp has no suffix type; the names follow its
+    --spec-ngram-* ones, the defaults vLLM's suffix_decoding_*); read with ngram_family_params."""
+    d = SUFFIX_DEFAULT
+    f = click.option("--spec-suffix-cache", "suffix_cache", default=None, metavar="FILE", callback=_suffix_cache,
+                     help="suffix: keep the global tree (earlier requests' outputs) in FILE: loaded at start, "
+                          "saved at exit")(f)
+    f = click.option("--spec-suffix-max-cached-requests", "suffix_max_cached", type=click.IntRange(0),
+                     default=d.max_cached_requests, show_default=True,
+                     help="suffix: requests whose output the global tree keeps, the least recent out first "
+                          "(0: no global tree, each request drafts from its own text only)")(f)
+    f = click.option("--spec-suffix-min-token-prob", "suffix_min_prob", type=click.FloatRange(0, 1),
+                     default=d.min_token_prob, show_default=True,
+                     help="suffix: stop a draft before a token whose estimated probability (counts along the "
+                          "path) is below this")(f)
+    f = click.option("--spec-suffix-max-spec-factor", "suffix_factor", type=click.FloatRange(0, min_open=True),
+                     default=d.max_spec_factor, show_default=True,
+                     help="suffix: a draft is at most this many times the matched text's length")(f)
+    return click.option("--spec-suffix-max-depth", "suffix_depth", type=click.IntRange(2, 1024),
+                        default=d.max_depth, show_default=True,
+                        help="suffix: the longest match and draft together (the suffix tree's depth; a draft "
+                             "is at most this minus 1)")(f)
+
+
 def ngram_family_options(f):
     """llama.cpp's flags of ngram-map-k, ngram-map-k4v, ngram-mod and ngram-cache (common/arg.cpp: its
-    spellings, defaults and ranges); read with ngram_family_params."""
+    spellings, defaults and ranges), and specrun's own of suffix; read with ngram_family_params."""
+    f = suffix_options(f)
     size = click.IntRange(1, 1024)
     f = click.option("-lcd", "--lookup-cache-dynamic", "lookup_dynamic", default=None, metavar="FNAME",
                      type=click.Path(exists=True, dir_okay=False),
@@ -248,7 +292,16 @@ def ngram_family_params(kw: dict) -> dict:
                                              kw.get("map_k4v_hits", m.min_hits)),
                 ngram_mod=NgramModParams(kw.get("mod_n_match", mod.n_match), kw.get("mod_n_min", mod.n_min),
                                          kw.get("mod_n_max", mod.n_max)),
-                ngram_cache=NgramCacheParams(kw.get("lookup_static"), kw.get("lookup_dynamic")))
+                ngram_cache=NgramCacheParams(kw.get("lookup_static"), kw.get("lookup_dynamic")),
+                suffix=suffix_params(kw))
+
+
+def suffix_params(kw: dict) -> SuffixParams:
+    """suffix_options' values as SuffixParams."""
+    d = SUFFIX_DEFAULT
+    return SuffixParams(kw.get("suffix_depth", d.max_depth), kw.get("suffix_factor", d.max_spec_factor),
+                        kw.get("suffix_min_prob", d.min_token_prob), kw.get("suffix_max_cached", d.max_cached_requests),
+                        kw.get("suffix_cache"))
 
 
 def spec_options(f):

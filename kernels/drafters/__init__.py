@@ -5,6 +5,8 @@
                       ngram-map-k4v  ... and only when one of the (up to 4) m-grams after the key dominates
     ngram_mod.py      ngram-mod      a pool of 2^22 hashed n-grams -> next token, chained token by token
     ngram_cache.py    ngram-cache    the most frequent next token after the last 4..1 tokens (+ -lcs/-lcd files)
+    suffix.py         suffix         suffix decoding: the best-counted path after the longest matches in the request's
+                                     text and in earlier requests' outputs (specrun's own type; llama.cpp has none)
     draft_model.py    draft-simple   a second, smaller GGUF drafting in its own context
     draft_eagle3.py   draft-eagle3   an EAGLE-3 draft (-md), fed three of the target's layers
     draft_mtp.py      draft-mtp      the MTP (NextN) heads stored in the GGUF, fed the target's hidden rows
@@ -31,9 +33,10 @@ from .ngram_cache import NgramCache
 from .ngram_map import NgramMapK, NgramMapK4V
 from .ngram_mod import NgramMod
 from .ngram_simple import NgramSimple
+from .suffix import Suffix
 
 __all__ = ["DRAFTERS", "HIDDEN_TYPES", "DraftEagle3", "DraftMTP", "DraftModel", "NgramCache", "NgramMapK",
-           "NgramMapK4V", "NgramMod", "NgramSimple", "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
+           "NgramMapK4V", "NgramMod", "NgramSimple", "Suffix", "TargetView", "draft_n_max", "drafter_key", "make_drafter"]
 
 
 def _drafter_class(t: SpecType) -> type:
