@@ -477,10 +477,10 @@ def test_auto_tries_every_ngram_type_and_runs_the_winner(smollm_path, capsys, wi
     on text it does not predict)."""
     from specrun.cli.runtime.auto import AUTO_NGRAM_TYPES, auto_candidates
 
-    assert AUTO_NGRAM_TYPES == ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+    assert AUTO_NGRAM_TYPES == ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")
     with engine_for(smollm_path, ("ngram-simple",)) as engine:
         cands = auto_candidates(engine, SpecParams())
-        assert [c.types[0] for c in cands if c.types[0].startswith("ngram")] == [
+        assert [c.types[0] for c in cands if c.types[0].startswith("ngram") or c.types[0] == "suffix"] == [
             "ngram-simple", "ngram-simple", *AUTO_NGRAM_TYPES]
         # ngram-simple's candidates copy from the longest-matching occurrence, unless the command says last
         assert {c.ngram_match for c in cands if c.types == ("ngram-simple",)} == {"longest"}
@@ -639,12 +639,13 @@ def test_auto_calibration_probes_every_ngram_type(smollm_path):
     got = {setting_name(p.spec): round(p.tokens_per_pass, 2) for p in choice.table}
     assert sorted(got) == ["ngram-cache", "ngram-map-k size-n 12 size-m 48", "ngram-map-k4v size-n 12 size-m 48",
                            "ngram-mod n-match 24 n-min 48 n-max 64", "ngram-simple size-n 12 size-m 48 longest match",
-                           "ngram-simple size-n 2 size-m 16 longest match"], got
+                           "ngram-simple size-n 2 size-m 16 longest match",
+                           "suffix max-depth 24 max-spec-factor 1 min-token-prob 0.1"], got
     assert got["ngram-cache"] > 1 and got["ngram-simple size-n 2 size-m 16 longest match"] > 1, got
 
 
 def test_available_types(tiny_mtp, smollm_path):
-    ngrams = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")   # need no file
+    ngrams = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")   # need no file
     assert available_types(tiny_mtp, None) == (*ngrams, "draft-mtp")
     assert available_types(smollm_path, None) == ngrams
     assert available_types(smollm_path, smollm_path) == (*ngrams, "draft-simple")

@@ -96,7 +96,7 @@ def test_draft_incompatible_exits_0_and_says_why(gemma_path, smollm_path):
     assert last.startswith("draft SmolLM2-135M-Instruct.Q4_1.gguf: INCOMPATIBLE with gemma-3-270m-q4_k_m.gguf: ")
     assert "draft vocab (49152 tokens) differs from target (262144) by more than 128" in last
     # the draft adds no type, so no "(with -md ...)" after them
-    assert "\nspec types: none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache\n" in r.stdout
+    assert "\nspec types: none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache, suffix\n" in r.stdout
     d = json.loads(invoke("gemma-3-270m", "--draft", str(smollm_path), "--json").stdout)
     assert d["draft"]["compatible"] is False and "by more than 128" in d["draft"]["reason"]
     assert "draft-simple" not in d["spec_types"]         # no spec type it cannot run

@@ -541,7 +541,7 @@ def test_unknown_type_lists_the_family():
     r = CliRunner().invoke(cli, ["--spec-type", "ngram-map", "-p", "hi"])
     assert r.exit_code == 2
     assert "valid types: none, draft-simple, draft-eagle3, draft-mtp, ngram-simple, ngram-map-k, ngram-map-k4v, " \
-           "ngram-mod, ngram-cache, draft" in r.output
+           "ngram-mod, ngram-cache, suffix, draft" in r.output
 
 
 # ---- output equal to none on real models (slow) -------------------------------------------------------

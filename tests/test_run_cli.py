@@ -77,7 +77,7 @@ def test_unknown_spec_type_lists_valid_ones(smollm_path):
     assert r.exit_code == 2
     assert "unknown spec type 'eagle9'" in r.stderr
     assert ("none, draft-simple, draft-eagle3, draft-mtp, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, "
-            "ngram-cache, draft") in r.stderr
+            "ngram-cache, suffix, draft") in r.stderr
 
 
 def test_prompt_longer_than_context(smollm_path):

@@ -196,7 +196,7 @@ def test_openai_models(server):
     assert [m.id for m in models] == [MODEL]
     meta = server.http.get("/v1/models").json()["data"][0]["meta"]
     assert meta["n_ctx"] == 512 and meta["slots"] == 2
-    assert meta["spec_types_available"] == ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]
+    assert meta["spec_types_available"] == ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix"]
 
 
 def test_model_by_id(server):

@@ -253,7 +253,7 @@ def test_draft_mtp_equals_none(mtp_server):
     oai = mtp_server.post("/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0}).json()
     assert oai["choices"][0]["text"] == mtp["content"] and oai["timings"]["draft_n"] > 0
     models = mtp_server.http.get("/v1/models").json()["data"][0]["meta"]
-    assert models["spec_types_available"] == ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-mtp"]
+    assert models["spec_types_available"] == ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix", "draft-mtp"]
     assert models["chat_template"] is False
 
 
