@@ -23,34 +23,55 @@ prompt chunk of 64+ rows is still decoded on its own, as the Engine decodes it, 
 row (verify rows: at most 63 a sequence) goes in the shared decode.
 
 Prompts are evaluated here, in chunks of n_ubatch from the first position not reused, as the
-Engine's exact path does (EngineParams.fast_prefill False); hidden-row drafters (draft-mtp,
-draft-eagle3) and logit controls (penalties, bias, grammar) are not served here yet.
+Engine's exact path does (EngineParams.fast_prefill False). The logit controls (penalties, logit
+bias, --ignore-eos, a grammar) transform each sequence's rows with kernels/constrain.py, as the
+Engine does, and logprobs come from the raw rows. Hidden-row drafters (draft-mtp, draft-eagle3)
+are not served here yet.
+
+BatchRunner drives a BatchEngine from one loop thread, and SeqEngine gives one of its sequences
+the Engine's face (generate() -> Generation): `specrun serve -np N` serves its slots with them.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from specrun.gguf_spec.errors import SpecrunError
 
+from .constrain import Constraints, VerifyPass
 from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
 from .draftlen import PassCost
-from .engine import resolve_seed, verify_mode
+from .engine import Engine, Generation, resolve_seed, verify_mode
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
-from .params import SpecParams
+from .params import EngineParams, SpecParams
 from .sampling import sample
 from .stats import DrafterStats, GenStats
-from .types import Draft, Drafter, DraftOptions, SamplingParams, TargetPass, common_prefix
+from .types import (
+    Draft,
+    Drafter,
+    DraftOptions,
+    SamplingParams,
+    TargetPass,
+    TokenLogprob,
+    common_prefix,
+    token_logprob,
+)
 from .verify import verify
+
+log = logging.getLogger(__name__)
 
 FA_TILE_Q = MAX_EXACT_BATCH + 1   # a sequence's rows in a ubatch from which flash attention tiles
 SHARE_MIN = 8                     # a prompt prefix worth copying from another sequence (tokens)
+_SAMPLING_DEFAULT = SamplingParams()   # llama.cpp's defaults (temp 0.8), as Engine.generate's
 
 
 def draft_budget(n_active: int, rows: int) -> int:
@@ -85,19 +106,27 @@ class Request:
     spec: SpecParams = field(default_factory=SpecParams)
     drafters: Sequence[Drafter] | None = None
     cancel: Callable[[], bool] | None = None
+    seq: int = -1                   # only this sequence (a server slot's), once it is free; -1: the best free one
+    fresh: bool = False             # evaluate the whole prompt: no KV reused, no prefix copied (cache_prompt false)
+    logprobs: int | None = None     # None: off; n: each token's log-probability and its n likeliest alternatives
 
 
 class Handle:
     """A submitted request as it goes: tokens (every token emitted so far), stats (GenStats),
-    done once it stopped (stats.stop says why). cancel() from any thread ends it at the next step."""
+    logprobs (one TokenLogprob per token, when the request asked), done once it stopped
+    (stats.stop says why). cancel() from any thread ends it at the next step."""
 
     def __init__(self, req: Request) -> None:
         self.request = req
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
         self.stats = GenStats()
         self.done = False
         self.error = ""                 # why it stopped with stop "error"
         self.seq = -1                   # its sequence while active
+        self.cons: Constraints | None = None   # its logit controls' state (None: none)
+        self.inbox: queue.SimpleQueue | None = None   # BatchRunner: what each step brought it
+        self.n_posted = 0               # BatchRunner: logprobs already posted
         self._cancelled = False
 
     def cancel(self) -> None:
@@ -122,6 +151,7 @@ class _Seq:
         self.text: list[int] = []          # prompt + emitted tokens (ends with id_last once generating)
         self.wait: tuple[int, int] | None = None   # (source seq, tokens) to copy before evaluating
         self.which = -1                    # the drafter whose proposal the last draft was
+        self.cons: Constraints | None = None       # the request's logit controls
         self.sampling = SamplingParams()
         self.spec = SpecParams()
         self.limit = 0
@@ -161,12 +191,19 @@ class BatchEngine:
         self.target = TargetView(self.model, self.ctx, self.n_ctx_seq, self.ctx.n_batch, params.n_threads, True)
         self.seqs = [_Seq(i) for i in range(params.n_seq)]
         self.pass_cost = PassCost()     # t(rows) of the shared decodes (for an adaptive budget)
+        self.n_stepped = 0              # sequences the last step advanced (their rows decoded)
         self._queue: deque[Handle] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
 
     def close(self) -> None:
+        for h in self.__dict__.get("_queue", ()):
+            if h.cons is not None:
+                h.cons.close()
         for s in self.__dict__.get("seqs", []):
+            if s.cons is not None:
+                s.cons.close()
+                s.cons = None
             for d in s.drafter_cache.values():
                 d.close()
             s.drafter_cache = {}
@@ -191,14 +228,15 @@ class BatchEngine:
         if n >= self.n_ctx_seq:
             raise SpecrunError(f"the prompt exceeds a sequence's context ({n} tokens, ctx {self.n_ctx_seq}); "
                                "raise -c or shorten the prompt")
-        if req.sampling.constrained:
-            raise SpecrunError("penalties, logit bias, --ignore-eos and grammars are not served by the batched "
-                               "engine yet")
         hidden = [t for t in req.spec.types if t in HIDDEN_TYPES]
         if hidden and req.drafters is None:
             raise SpecrunError(f"--spec-type {hidden[0]} reads the target's hidden rows, which the batched engine "
                                "does not export per sequence yet")
+        if not -1 <= req.seq < self.params.n_seq:
+            raise SpecrunError(f"sequence {req.seq} does not exist (0..{self.params.n_seq - 1})")
         h = Handle(req)
+        # the controls' state (a grammar compiled, bias ids checked) in the caller's thread, before any work
+        h.cons = Constraints.of(self.model, req.sampling, self.n_ctx_seq, np.asarray(req.prompt, dtype=np.int32))
         with self._wake:
             self._queue.append(h)
             self._wake.notify_all()
@@ -223,40 +261,45 @@ class BatchEngine:
             out.append(s.drafter_cache[key])
         return out
 
-    def _admit(self) -> None:
+    def _admit(self, out: list) -> None:
         """Queued requests into free sequences: the one whose KV shares the longest prefix with the
-        prompt; then, when another sequence holds (or is evaluating) a longer prefix of it, that
-        prefix is copied from there (seq_cp) once it is in place."""
+        prompt (or the request's own sequence, once free); then, when another sequence holds (or is
+        evaluating) a longer prefix of it, that prefix is copied from there (seq_cp) once it is in
+        place. Requests that end here (n_predict 0, a drafter that cannot be built) go to out."""
         while True:
             free = [s for s in self.seqs if s.h is None]
             with self._lock:
-                if not free or not self._queue:
+                h = next((q for q in self._queue if q.request.seq < 0 or self.seqs[q.request.seq].h is None), None)
+                if not free or h is None:
                     return
-                h = self._queue.popleft()
+                self._queue.remove(h)
             req = h.request
             prompt = np.asarray(req.prompt, dtype=np.int32)
-            s = max(free, key=lambda q: common_prefix(q.kv, prompt))
+            s = max(free, key=lambda q: common_prefix(q.kv, prompt)) if req.seq < 0 else self.seqs[req.seq]
             s.h, h.seq, s.t0 = h, s.sid, time.perf_counter()
-            s.sampling, s.spec = resolve_seed(req.sampling), req.spec
+            s.sampling, s.spec, s.cons = resolve_seed(req.sampling), req.spec, h.cons
             s.limit = req.n_predict if req.n_predict >= 0 else self.n_ctx_seq
             try:
                 s.drafters = self._drafters_of(s, req)
-            except BaseException:
+            except Exception as e:      # a drafter that cannot be built (a draft model's context): this request only
+                h.error = str(e)
+                out.append((h, []))
                 self._finish(s, "error")
-                raise
+                continue
             h.stats = GenStats(n_prompt_total=len(prompt), exact=True, seed=s.sampling.seed,
                                drafters=[DrafterStats(d.spec_type) for d in s.drafters])
             if s.limit == 0:
+                out.append((h, []))
                 self._finish(s, "n_predict")
                 continue
             s.prompt, s.text = prompt, prompt.tolist()
-            keep = min(common_prefix(s.kv, prompt), len(prompt) - 1)
+            keep = 0 if req.fresh else min(common_prefix(s.kv, prompt), len(prompt) - 1)
             opts = DraftOptions(s.spec.p_min, s.sampling if s.spec.verify in ("auto", "rejection")
                                 and not s.sampling.greedy else None)
             for d in s.drafters:
                 keep = min(keep, d.begin(prompt, keep, opts))
             src, best = None, keep
-            for o in self.seqs:
+            for o in self.seqs if not req.fresh else ():
                 if o is not s:
                     c = min(common_prefix(o.planned(), prompt), len(prompt) - 1)
                     if c > best and c >= self.params.share_min:
@@ -301,18 +344,33 @@ class BatchEngine:
             if s.h is not None and s.h.cancelled:
                 out.append((s.h, []))
                 self._finish(s, "interrupted")
-        self._admit()
+        with self._lock:
+            gone = [h for h in self._queue if h.cancelled]
+            for h in gone:
+                self._queue.remove(h)
+        for h in gone:
+            h.stats.stop, h.done = "interrupted", True
+            if h.cons is not None:
+                h.cons.close()
+            out.append((h, []))
+        self._admit(out)
         self._copy_prefixes()
         active = [s for s in self.seqs if s.h is not None and s.wait is None]
         gen = [s for s in active if not s.prefilling]
+        self.n_stepped = 0
         budget = draft_budget(len(gen), self.params.draft_rows)
-        rows: list[tuple[_Seq, list[int], int, bool, Draft | None]] = []   # (seq, tokens, pos0, outputs?, draft)
+        # (seq, tokens, pos0, outputs?, draft, its controls' states)
+        rows: list[tuple[_Seq, list[int], int, bool, Draft | None, VerifyPass | None]] = []
         n_rows = 0
         spare = self.ctx.n_batch - len(gen)       # rows left for drafts and prompt chunks
         for s in gen:
             draft = self._propose(s, min(budget, self._room(s), spare))
+            vp = None
+            if s.cons is not None:   # cut at the first token the constrained target cannot emit (as the Engine)
+                vp = s.cons.verify_pass(draft)
+                draft = vp.draft
             spare -= len(draft)
-            rows.append((s, [s.text[-1], *draft.tokens.tolist()], len(s.text) - 1, True, draft))
+            rows.append((s, [s.text[-1], *draft.tokens.tolist()], len(s.text) - 1, True, draft, vp))
             n_rows += len(draft) + 1
         for s in active:
             if not s.prefilling:
@@ -321,14 +379,16 @@ class BatchEngine:
             chunk = s.prompt[lo:lo + self.params.n_ubatch].tolist()
             if len(chunk) >= FA_TILE_Q:       # its own decode: the tiled kernel for all its rows
                 self._prompt_chunk(s, chunk, lo, out)
+                self.n_stepped += 1
             elif len(chunk) <= spare:         # else at a later step
-                rows.append((s, chunk, lo, False, None))
+                rows.append((s, chunk, lo, False, None, None))
                 n_rows += len(chunk)
                 spare -= len(chunk)
         if not rows:
             return out
+        self.n_stepped += len(rows)
         toks, pos, seqs, outs = [], [], [], []
-        for s, t, p0, all_out, _ in rows:
+        for s, t, p0, all_out, *_ in rows:
             toks += t
             pos += range(p0, p0 + len(t))
             seqs += [s.sid] * len(t)
@@ -338,20 +398,26 @@ class BatchEngine:
         try:
             self.ctx.decode_seqs(toks, pos, seqs, outs)
         except LlamaError as e:               # llama.cpp left the memory as it was: fail these requests
-            for s, *_ in rows:
+            for s, *_, vp in rows:
+                if vp is not None:
+                    vp.close()
                 self._fail(s, e, out)
             return out
         self.pass_cost.record(n_rows, time.perf_counter() - t0)
         logits = self.ctx.outputs_rows()          # float32 [n_outputs, n_vocab], batch order
         i = 0
-        for s, t, p0, all_out, draft in rows:
+        for s, t, p0, all_out, draft, vp in rows:
             n_out = len(t) if all_out else int(len(s.kv) + len(t) == len(s.prompt))
             mine = logits[i:i + n_out]
             i += n_out
             if draft is None:
                 self._prompt_done(s, t, p0, mine, out)
             else:
-                self._verified(s, draft, mine, out)
+                try:
+                    self._verified(s, draft, mine, out, vp)
+                finally:
+                    if vp is not None:
+                        vp.close()
         return out
 
     def _room(self, s: _Seq) -> int:
@@ -399,17 +465,19 @@ class BatchEngine:
             return
         h = s.h
         n_past = len(s.prompt)
-        tok = sample(rows[-1], s.sampling, n_past)
+        last = rows[-1]
+        tok = sample(last if s.cons is None else s.cons.row(last), s.sampling, n_past)
         s.t_gen0 = time.perf_counter()
         h.stats.t_prompt_s = s.t_gen0 - s.t0
-        self._emit(s, [tok], out)
+        self._emit(s, [tok], out, rows[-1:])
 
-    def _verified(self, s: _Seq, draft: Draft, rows: np.ndarray, out: list) -> None:
-        """Sequence s's verify rows [id_last, d1..dk] came back: accept, roll back, emit."""
+    def _verified(self, s: _Seq, draft: Draft, rows: np.ndarray, out: list, vp: VerifyPass | None = None) -> None:
+        """Sequence s's verify rows [id_last, d1..dk] came back (float32 [k + 1, n_vocab]): accept,
+        roll back, emit. vp: the controls' states for the draft's rows (None: no controls)."""
         n_past = len(s.text) - 1                # id_last's position
         k = len(draft)
         mode = verify_mode(s.spec, s.sampling, draft)
-        verdict = verify(draft, rows, s.sampling, n_past + 1, mode)
+        verdict = verify(draft, rows if vp is None else vp.rows(rows), s.sampling, n_past + 1, mode)
         n_keep = verdict.n_accepted + 1
         batch = [s.text[-1], *draft.tokens.tolist()]
         if s.drafters:
@@ -424,9 +492,11 @@ class BatchEngine:
         if k:
             st.verify = mode
             st.drafters[s.which].record(k, verdict.n_accepted)
-        self._emit(s, verdict.tokens.tolist(), out)
+        self._emit(s, verdict.tokens.tolist(), out, rows)
 
-    def _emit(self, s: _Seq, toks: list[int], out: list) -> None:
+    def _emit(self, s: _Seq, toks: list[int], out: list, rows: np.ndarray) -> None:
+        """toks for s's request, cut at end-of-generation and its limit; rows: the raw logits rows
+        they were sampled from (row j: token j's), for logprobs."""
         h = s.h
         stop = ""
         for j, t in enumerate(toks):
@@ -438,6 +508,10 @@ class BatchEngine:
             toks, stop = toks[:left], stop or "n_predict"
         h.tokens.extend(toks)
         s.text.extend(toks)
+        if h.logprobs is not None:
+            h.logprobs.extend(token_logprob(rows[j], t, h.request.logprobs) for j, t in enumerate(toks))
+        if s.cons is not None:
+            s.cons.accept(toks)
         h.stats.n_gen = len(h.tokens)
         h.stats.t_gen_s = time.perf_counter() - s.t_gen0
         if not stop and len(s.text) - 1 + 1 > self.n_ctx_seq - 1:
@@ -459,7 +533,9 @@ class BatchEngine:
         h = s.h
         h.stats.stop = h.stats.stop or stop
         h.done = True
-        s.h, s.wait, s.drafters = None, None, []
+        if s.cons is not None:
+            s.cons.close()
+        s.h, s.wait, s.drafters, s.cons = None, None, [], None
         s.text = []
 
     # -- convenience -----------------------------------------------------------------------
@@ -469,3 +545,229 @@ class BatchEngine:
         while not all(h.done for h in hs):
             self.step()
         return hs
+
+    def cancel_all(self) -> None:
+        """Cancel every request, active or queued (any thread): they end at the next step."""
+        with self._lock:
+            hs = [*self._queue, *(s.h for s in self.seqs if s.h is not None)]
+        for h in hs:
+            h.cancel()
+
+    def fail_all(self, err: Exception) -> list[tuple[Handle, list[int]]]:
+        """Something failed outside a decode (a bug, a rollback llama.cpp refused): every request,
+        active or queued, ends with stop "error", and every sequence's KV is dropped (its token list
+        can no longer be trusted). Returns the handles as step() does."""
+        out: list[tuple[Handle, list[int]]] = []
+        for s in self.seqs:
+            if s.h is not None:
+                s.h.error = str(err)
+                out.append((s.h, []))
+                self._finish(s, "error")
+            self.ctx.seq_rm_of(s.sid, -1, -1)
+            s.kv = []
+        with self._lock:
+            queued = list(self._queue)
+            self._queue.clear()
+        for h in queued:
+            h.error, h.stats.stop, h.done = str(err), "error", True
+            if h.cons is not None:
+                h.cons.close()
+            out.append((h, []))
+        return out
+
+
+def _snapshot(st: GenStats) -> GenStats:
+    """A copy of a request's statistics that the loop's later steps do not change."""
+    c = copy.copy(st)
+    c.drafters = [replace(d, acc_per_pos=list(d.acc_per_pos)) for d in st.drafters]
+    return c
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one step brought a request (BatchRunner posts it to the handle's inbox)."""
+
+    tokens: list[int]                       # the new tokens (possibly none)
+    logprobs: list[TokenLogprob]            # theirs, when the request asked (else empty)
+    stats: GenStats                         # the request's statistics after this step (a copy)
+    done: bool                              # the request ended (stats.stop says why)
+
+
+class BatchRunner:
+    """A BatchEngine driven by one loop thread: submit() from any thread; each step's new tokens
+    go to the handle's inbox as a Step. The thread starts with the first request and ends once no
+    request is queued or active, as a slot's thread ends with its run (cli/server/slots.py: libgomp
+    keeps a team of worker threads for every thread that ever decoded, for its lifetime)."""
+
+    def __init__(self, engine: BatchEngine) -> None:
+        self.engine = engine
+        self.n_steps = 0                 # steps that decoded (each one or more decodes)
+        self.n_seq_steps = 0             # sequences those steps advanced, summed (/ n_steps: the mean batch)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._go = threading.Event()     # cleared by pause()
+        self._go.set()
+
+    def pause(self) -> None:
+        """Hold the loop before its next step (tests: requests queue up, then join one step together)."""
+        self._go.clear()
+
+    def resume(self) -> None:
+        self._go.set()
+
+    @property
+    def n_queued(self) -> int:
+        """Requests submitted and not yet in a sequence."""
+        return len(self.engine._queue)
+
+    def submit(self, req: Request) -> Handle:
+        """Queue req (refused with SpecrunError before any work, as BatchEngine.submit)."""
+        with self._lock:
+            if self._closed:
+                raise SpecrunError("the batched engine is closed")
+            h = self.engine.submit(req)
+            h.inbox = queue.SimpleQueue()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="specrun-batch", daemon=True)
+                self._thread.start()
+        return h
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            with self._lock:
+                if not eng.busy():
+                    self._thread = None
+                    return
+            self._go.wait()
+            try:
+                out = eng.step()
+            except Exception as e:      # every request learns it; the loop goes on
+                log.exception("a batched step failed; its requests end with an error")
+                out = eng.fail_all(e)
+            if eng.n_stepped:
+                self.n_steps += 1
+                self.n_seq_steps += eng.n_stepped
+            for h, toks in out:
+                lps = h.logprobs[h.n_posted:] if h.logprobs is not None else []
+                h.n_posted += len(lps)
+                h.inbox.put(Step(toks, lps, _snapshot(h.stats), h.done))
+
+    def close(self) -> None:
+        """Cancel every request, wait for the loop thread to end, close the engine. Idempotent."""
+        with self._lock:
+            self._closed = True
+            t = self._thread
+            self.engine.cancel_all()
+        self._go.set()
+        if t is not None:
+            t.join()
+        self.engine.close()
+
+
+def _follow(h: Handle, st: GenStats, lp: list[TokenLogprob] | None) -> Iterator[list[int]]:
+    """A request's tokens as its Steps come; st follows its statistics (n_gen: the tokens yielded
+    so far). Closing it early cancels the request. A failed decode raises LlamaError."""
+    done = False
+    try:
+        while not done:
+            step: Step = h.inbox.get()
+            done = step.done
+            for f in GenStats.__slots__:
+                setattr(st, f, getattr(step.stats, f))
+            if lp is not None:
+                lp.extend(step.logprobs)
+            if done and st.stop == "error":
+                raise LlamaError(h.error or "the batched decode failed")
+            if step.tokens:
+                yield step.tokens
+    except GeneratorExit:
+        st.stop = st.stop or "interrupted"
+        raise
+    finally:
+        if not done:
+            h.cancel()
+
+
+class SeqEngine:
+    """One sequence of a BatchRunner's engine with the face of an Engine that a server slot uses:
+    generate() -> Generation, reset(), kv_tokens, model, n_ctx (the sequence's), n_max_cap,
+    params and spec_types (the owner's), set_spec(). The owner is the Engine that loaded the model
+    (it keeps the checks, --spec-type auto's calibration and the model); slot 0's close() closes
+    the runner, then the owner."""
+
+    def __init__(self, runner: BatchRunner, sid: int, owner: Engine) -> None:
+        self.runner, self.sid, self.owner = runner, sid, owner
+        self.model = owner.model
+        self.params = owner.params
+        self.spec = owner.params.spec
+        self.n_ctx = runner.engine.n_ctx_seq
+        self.n_max_cap = runner.engine.n_max_cap
+        self.pass_cost = PassCost()
+        self._fresh = False
+
+    @property
+    def spec_types(self) -> tuple[str, ...]:
+        return self.owner.spec_types
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens the sequence's KV holds (a copy)."""
+        return list(self.runner.engine.seqs[self.sid].kv)
+
+    def set_spec(self, spec: SpecParams) -> None:
+        """The spec a request without its own runs with (--spec-type auto's choice)."""
+        self.spec = spec
+        self.params = replace(self.params, spec=spec)
+
+    def reset(self) -> None:
+        """The next request evaluates its whole prompt (the KV is only touched by the loop)."""
+        self._fresh = True
+
+    def tokenize(self, text: str, add_special: bool = True) -> np.ndarray:
+        return self.model.tokenize(text, add_special=add_special)
+
+    def generate(self, prompt: Sequence[int], n_predict: int = -1, sampling: SamplingParams = _SAMPLING_DEFAULT,
+                 *, spec: SpecParams | None = None, drafters: Sequence[Drafter] | None = None,
+                 cancel: Callable[[], bool] | None = None, logprobs: int | None = None) -> Generation:
+        """Engine.generate's contract, served by the batch: requires 1 <= len(prompt) < n_ctx;
+        a bad request raises SpecrunError here, before any work."""
+        req = Request(prompt, n_predict, sampling, spec or self.spec, drafters, cancel, seq=self.sid,
+                      fresh=self._fresh, logprobs=logprobs)
+        h = self.runner.submit(req)
+        self._fresh = False
+        st = GenStats(n_prompt_total=len(prompt), exact=True)
+        lp: list[TokenLogprob] | None = None if logprobs is None else []
+        return Generation(_follow(h, st, lp), st, lp)
+
+    def close(self) -> None:
+        if self.sid == 0:
+            self.runner.close()
+            self.owner.close()
+
+
+def batch_slots(owner: Engine, n: int, n_threads: int = 0, draft_rows: int = BatchParams.draft_rows) -> list[SeqEngine]:
+    """n server slots over one batched context on owner's model: a sequence each, of owner's
+    n_ctx cells, its n_batch, n_threads threads (0: owner's), owner's -md for draft-simple.
+    requires: owner in exact mode, no hidden-row spec types, not a recurrent model (batchable)."""
+    p = owner.params
+    engine = BatchEngine(owner.model.path, BatchParams(
+        n_seq=n, n_ctx_seq=owner.n_ctx, n_batch=p.n_batch, n_threads=n_threads or p.n_threads, draft_rows=draft_rows,
+        draft_model=p.draft_model), model=owner.model)
+    runner = BatchRunner(engine)
+    return [SeqEngine(runner, i, owner) for i in range(n)]
+
+
+def not_batchable(params: EngineParams, recurrent: bool = False) -> str:
+    """Why requests under these engine params cannot share the batched context ("" if they can)."""
+    hidden = [t for t in params.spec.types if t in HIDDEN_TYPES]
+    if hidden:
+        return f"--spec-type {hidden[0]} reads the target's hidden rows, which the batched decode does not export yet"
+    if not params.exact:
+        return "--no-exact: the batched decode runs exact mode's kernels only"
+    if params.placement is not None:
+        return "--rpc: the batched decode runs on this machine only"
+    if recurrent:
+        return "a recurrent or hybrid model rolls back through snapshots of one sequence"
+    return ""

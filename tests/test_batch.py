@@ -205,13 +205,95 @@ def test_bad_requests_are_refused_before_any_work(smol):
             b.submit(Request([], 4))
         with pytest.raises(SpecrunError, match=r"\(300 tokens, ctx 256\)"):
             b.submit(Request([1] * 300, 4))
-        with pytest.raises(SpecrunError, match="grammars"):
-            b.submit(Request([1, 2], 4, replace(GREEDY, repeat_penalty=1.1)))
+        with pytest.raises(SpecrunError, match="vocabulary"):
+            b.submit(Request([1, 2], 4, replace(GREEDY, logit_bias=((model.n_vocab, 1.0),))))
         with pytest.raises(SpecrunError, match="hidden rows"):
             b.submit(Request([1, 2], 4, GREEDY, SpecParams(types=("draft-mtp",))))
+        with pytest.raises(SpecrunError, match=r"sequence 1 does not exist \(0..0\)"):
+            b.submit(Request([1, 2], 4, seq=1))
         assert not b.busy()
         h = b.run([Request([1, 2, 3], 0, GREEDY)])[0]
         assert h.done and h.tokens == [] and h.stats.stop == "n_predict"
+
+
+def test_logit_controls_and_logprobs_each_equal_alone(smol):
+    """Penalties, a logit bias, --ignore-eos and a grammar transform each sequence's rows with its
+    own state, and logprobs come from its raw rows: beside other requests (n-gram drafts among
+    them) each request's tokens and logprobs equal the Engine's alone, with spec none."""
+    model, refs = smol
+    eos_free = replace(GREEDY, ignore_eos=True)
+    controls = [replace(GREEDY, repeat_penalty=1.3, repeat_last_n=16, logit_bias=((int(model.tokenize(" dog",
+                add_special=False)[0]), -5.0),)),
+                replace(SEEDED, presence_penalty=0.5, frequency_penalty=0.3),
+                replace(GREEDY, grammar='root ::= "[" [0-9]+ ("," " "? [0-9]+)* "]"'),
+                eos_free]
+    kinds = ["ngram-simple", "none", "none", "ngram-simple"]
+    reqs = _requests(model, refs, GREEDY, kinds)
+    reqs = [replace(r, sampling=c, logprobs=2) for r, c in zip(reqs, controls, strict=True)]
+    with BatchEngine(model.path, BatchParams(n_seq=4, n_ctx_seq=256), model=model) as b:
+        hs = _staggered(b, reqs, [0, 0, 1, 2])
+    for h, r in zip(hs, reqs, strict=True):
+        refs.engine.reset()
+        gen = refs.engine.generate(r.prompt, r.n_predict, r.sampling, logprobs=2)
+        want = [t for chunk in gen for t in chunk]
+        assert h.tokens == want, (r.sampling, h.stats)
+        assert h.logprobs == gen.logprobs
+    text = model.detokenize(hs[2].tokens)
+    assert text.startswith("[") and set(text) <= set("[]0123456789, ")
+
+
+def test_runner_and_seq_engines_serve_like_engines(smol):
+    """BatchRunner's loop thread and SeqEngine.generate(): a Generation per request, as the Engine's,
+    from threads of their own; the loop thread ends once no request is left; closing a Generation
+    early cancels its request."""
+    import threading
+
+    from specrun.kernels.batch import BatchRunner, SeqEngine
+
+    model, refs = smol
+    reqs = _requests(model, refs, GREEDY, ["none", "ngram-simple", "none"])
+    b = BatchEngine(model.path, BatchParams(n_seq=3, n_ctx_seq=256), model=model)
+    runner = BatchRunner(b)
+    slots = [SeqEngine(runner, i, refs.engine) for i in range(3)]
+    got: list = [None] * 3
+    runner.pause()                           # all three join the first step
+
+    def go(i: int) -> None:
+        r = reqs[i]
+        gen = slots[i].generate(r.prompt, r.n_predict, r.sampling, spec=r.spec, logprobs=1)
+        got[i] = ([t for chunk in gen for t in chunk], gen.stats, gen.logprobs)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: runner.n_queued == 3)
+        runner.resume()
+        for t in threads:
+            t.join(60)
+        _wait(lambda: runner._thread is None)
+        for (toks, st, lps), r in zip(got, reqs, strict=True):
+            assert toks == refs(r.prompt, r.n_predict, r.sampling) and st.n_gen == len(toks) == len(lps)
+            assert st.stop in ("eog", "n_predict")
+        assert runner.n_seq_steps > runner.n_steps           # some steps decoded several sequences
+        gen = slots[0].generate(reqs[0].prompt, 200, GREEDY)
+        first = next(gen)
+        gen.close()                               # a client gone: the request ends at the next step
+        assert gen.stats.stop == "interrupted" and gen.stats.n_gen == len(first)
+        _wait(lambda: runner._thread is None and not b.busy())
+    finally:
+        runner.resume()
+        runner.close()
+
+
+def _wait(pred, timeout: float = 60.0) -> None:
+    """Poll pred() (every 10 ms) until true; fail after timeout seconds (a bound, not a timing)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "not within the bound"
+        time.sleep(0.01)
 
 
 def test_draft_budget_shrinks_as_the_batch_grows():
