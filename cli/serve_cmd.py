@@ -71,7 +71,10 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, envvar="SPECRUN_PORT",
               help="port (0: any free one, printed at start)")
 @click.option("-np", "--parallel", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="slots: requests served at once, each by its own context over the shared model")
+              help="slots: requests served at once (with -cb, sequences of one batched decode)")
+@click.option("-cb/-nocb", "--cont-batching/--no-cont-batching", "cont_batching", default=True, show_default=True,
+              help="continuous batching: the -np slots share one context and one decode per step, with all the "
+                   "threads (as llama-server); --no-cont-batching: each slot its own engine, the threads divided")
 @click.option("--queue", "max_queue", type=click.IntRange(0), default=16, show_default=True,
               help="requests that may wait for a slot; beyond that the server answers 503")
 @click.option("--api-key", "api_key", envvar="SPECRUN_API_KEY", default=None,
@@ -95,14 +98,14 @@ def exposure_warning(address: str, api_key: str | None) -> str | None:
               help="/slots shows every client's prompt, text so far, stop strings and grammar too "
                    "(llama-server's LLAMA_SERVER_SLOTS_DEBUG=1): for debugging on a server only you use")
 @handle_errors
-def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout, max_body, body_timeout,
-          slots_endpoint, slots_debug, **kw):
+def serve(host, port, parallel, cont_batching, max_queue, api_key, alias, prefill_assistant, drain_timeout, max_body,
+          body_timeout, slots_endpoint, slots_debug, **kw):
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/messages (Anthropic),
     /completion, /tokenize, /detokenize, /apply-template, /props, /slots, /v1/models, /health,
     /metrics (OpenAPI schema at /openapi.json). -n caps each request's tokens."""
     setup_logging(kw["verbose"])
     options = serve_options(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout,
-                            max_body, body_timeout, slots_endpoint, slots_debug, **kw)
+                            max_body, body_timeout, slots_endpoint, slots_debug, cont_batching=cont_batching, **kw)
     with listen_socket(options.host, options.port) as sock:
         if warning := exposure_warning(sock.getsockname()[0], options.api_key):
             err_console.print(warning, markup=False, soft_wrap=True)
@@ -117,7 +120,7 @@ def serve(host, port, parallel, max_queue, api_key, alias, prefill_assistant, dr
 
 
 def serve_options(host, port, parallel, max_queue, api_key, alias, prefill_assistant, drain_timeout, max_body,
-                  body_timeout, slots_endpoint, slots_debug, **kw) -> ServeOptions:
+                  body_timeout, slots_endpoint, slots_debug, cont_batching=True, **kw) -> ServeOptions:
     """serve's parameters (click's, as parsed) checked and made ServeOptions; raises
     click.ClickException (one line) before any port is bound. tests/serving.py builds its
     in-process servers with it."""
@@ -129,13 +132,16 @@ def serve_options(host, port, parallel, max_queue, api_key, alias, prefill_assis
     chat_template, chat_template_file = chat_template_choice(kw)
     params = engine_params(kw)
     sampling = sampling_params(kw)   # a bad penalty, bias or grammar: one line before the port is bound
+    batch_threads = kw["threads"]    # the batched context's: all of them
     if not kw["threads"]:   # the default threads (the idle cores, or LLAMA_ARG_THREADS), shared between the slots
         from specrun.kernels.llama import default_threads
 
-        params = replace(params, n_threads=max(1, default_threads() // parallel))
+        batch_threads = default_threads()
+        params = replace(params, n_threads=max(1, batch_threads // parallel))
     return ServeOptions(model=kw["model"], params=params, sampling=sampling, n_predict=kw["n_predict"],
                         host=host, port=port, parallel=parallel, max_queue=max_queue, api_key=api_key, alias=alias,
                         chat_template=chat_template, chat_template_file=chat_template_file,
                         prefill_assistant=prefill_assistant, drain_timeout=drain_timeout, max_body=max_body,
                         body_timeout=body_timeout, slots_endpoint=slots_endpoint, slots_debug=slots_debug,
-                        verbose=kw["verbose"], auto_refresh=kw["auto_refresh"])
+                        verbose=kw["verbose"], auto_refresh=kw["auto_refresh"], cont_batching=cont_batching,
+                        batch_threads=batch_threads)

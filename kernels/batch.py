@@ -70,6 +70,7 @@ from .verify import verify
 log = logging.getLogger(__name__)
 
 FA_TILE_Q = MAX_EXACT_BATCH + 1   # a sequence's rows in a ubatch from which flash attention tiles
+DRAFT_ROWS = 16                   # draft tokens a step verifies, all sequences together
 SHARE_MIN = 8                     # a prompt prefix worth copying from another sequence (tokens)
 _SAMPLING_DEFAULT = SamplingParams()   # llama.cpp's defaults (temp 0.8), as Engine.generate's
 
@@ -89,7 +90,7 @@ class BatchParams:
     n_batch: int = 2048         # rows of one decode
     n_ubatch: int = 512         # prompt chunk (as the Engine's)
     n_threads: int = 0          # 0: default_threads()
-    draft_rows: int = 16        # draft tokens a step verifies, all sequences together (draft_budget)
+    draft_rows: int = DRAFT_ROWS  # draft tokens a step verifies, all sequences together (draft_budget)
     draft_model: str | None = None   # -md for draft-simple
     share_min: int = SHARE_MIN
 
@@ -747,7 +748,7 @@ class SeqEngine:
             self.owner.close()
 
 
-def batch_slots(owner: Engine, n: int, n_threads: int = 0, draft_rows: int = BatchParams.draft_rows) -> list[SeqEngine]:
+def batch_slots(owner: Engine, n: int, n_threads: int = 0, draft_rows: int = DRAFT_ROWS) -> list[SeqEngine]:
     """n server slots over one batched context on owner's model: a sequence each, of owner's
     n_ctx cells, its n_batch, n_threads threads (0: owner's), owner's -md for draft-simple.
     requires: owner in exact mode, no hidden-row spec types, not a recurrent model (batchable)."""

@@ -155,8 +155,9 @@ def serve_options(args: tuple[str, ...]):
 
 
 class EngineCache:
-    """Engines kept open across servers: a server takes a set for its model, engine options and -np
-    (opened if none is free) and gives it back when it stops."""
+    """Engines kept open across servers: a server takes a set for its model, engine options, -np and
+    batching (opened if none is free) and gives it back when it stops. A batched set is -np views of
+    one batched context (kernels/batch.py: SeqEngine), closed as engines are: the first last."""
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[list]] = {}
@@ -164,7 +165,7 @@ class EngineCache:
 
     @staticmethod
     def key(opt) -> tuple:
-        return opt.model, opt.params, opt.parallel
+        return opt.model, opt.params, opt.parallel, opt.cont_batching, opt.batch_threads
 
     def take(self, opt) -> list:
         from specrun.cli.server.lifecycle import load_engines

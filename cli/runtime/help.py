@@ -24,8 +24,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                         "cache_type_k", "cache_type_v", "rpc", "tensor_split"),
     "Conversation": ("conversation", "system_prompt", "system_prompt_file", "chat_template", "chat_template_file",
                      "single_turn"),
-    "Server": ("host", "port", "parallel", "max_queue", "api_key", "alias", "prefill_assistant", "slots_endpoint",
-               "slots_debug", "drain_timeout", "max_body", "body_timeout"),
+    "Server": ("host", "port", "parallel", "cont_batching", "max_queue", "api_key", "alias", "prefill_assistant",
+               "slots_endpoint", "slots_debug", "drain_timeout", "max_body", "body_timeout"),
     "Output & logging": ("as_json", "as_csv", "plot_path", "quiet", "verbose", "help"),
     # llama.cpp's flags that specrun accepts with a note (no effect), maps (-i: -cnv) or refuses by name
     "llama.cpp compatibility": ("interactive", "ubatch_size", "threads_batch", "gpu_layers", "gpu_layers_draft",

@@ -28,6 +28,7 @@ from .middleware import Gate
 from .state import ServerState, Stopped
 
 if TYPE_CHECKING:
+    from specrun.kernels.batch import SeqEngine
     from specrun.kernels.engine import Engine
 
 
@@ -41,7 +42,7 @@ class ServeOptions:
     n_predict: int                      # -n: a request's default max tokens; when > 0 also its cap
     host: str                           # --host, as given (the URL printed)
     port: int                           # --port (0: any free one)
-    parallel: int                       # -np: slots, each an engine over the shared model
+    parallel: int                       # -np: slots (sequences of one batched context, or engines of their own)
     max_queue: int                      # --queue: requests that may wait for a slot
     api_key: str | None                 # --api-key / SPECRUN_API_KEY, never empty
     alias: str | None                   # -a: the model's name in responses (None: the -m name)
@@ -55,6 +56,8 @@ class ServeOptions:
     slots_debug: bool                   # /slots shows the requests' texts too (LLAMA_SERVER_SLOTS_DEBUG)
     verbose: bool                       # -v: uvicorn's info log and access log too
     auto_refresh: bool = False          # --spec-auto-refresh: auto measures this machine's costs again
+    cont_batching: bool = True          # -cb / -nocb: -np > 1 slots share one batched decode (kernels/batch.py)
+    batch_threads: int = 0              # the batched context's threads (all of them; 0: params.n_threads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +93,12 @@ def run(options: ServeOptions, sock) -> Ended | None:
 
 def make_server(options: ServeOptions, gate: Gate):
     """uvicorn's Server for options around gate, with the drain on its first SIGTERM / Ctrl-C
-    (handle_exit). It captures the signals only when run in the main thread."""
+    (handle_exit). It captures the signals only when run in the main thread. No access log, even
+    with -v: Guard writes the one line per request (uvicorn's would be a second, on stdout)."""
     import uvicorn
 
     return _make_server(uvicorn.Config(gate, lifespan="off", timeout_graceful_shutdown=max(options.drain_timeout, 5.0),
-                                       log_level="info" if options.verbose else "warning",
-                                       access_log=options.verbose))
+                                       log_level="info" if options.verbose else "warning", access_log=False))
 
 
 def ended(server, state: ServerState) -> Ended:
@@ -135,9 +138,32 @@ class Loader(threading.Thread):
         err_console.print(built.ready_line(self.url), markup=False, soft_wrap=True)
 
 
-def load_engines(opt: ServeOptions) -> list[Engine]:
-    """-np engines over the model, its prompt worker started (open_engines)."""
-    return open_engines(opt.model, opt.params, opt.parallel, start_prefill=True)
+def load_engines(opt: ServeOptions) -> list[Engine | SeqEngine]:
+    """The slots' engines: with -np > 1 and continuous batching, a sequence each of one batched
+    context (batch_slots), unless the settings cannot be batched (one stderr line says why); else
+    -np engines over the model, its prompt worker started (open_engines)."""
+    if opt.parallel == 1 or not opt.cont_batching:
+        return open_engines(opt.model, opt.params, opt.parallel, start_prefill=True)
+    from specrun.kernels.batch import batch_slots, not_batchable
+    from specrun.kernels.engine import Engine
+
+    [owner] = open_engines(opt.model, opt.params, 1)
+    engines = [owner]
+    try:
+        why = not_batchable(owner.params, owner.model.recurrent)
+        if not why:
+            return batch_slots(owner, opt.parallel, opt.batch_threads)
+        err_console.print(f"specrun serve: -np {opt.parallel}: each slot decodes with an engine of its own, not in "
+                          f"one batch ({why})", markup=False, soft_wrap=True)
+        shared = owner.share_prefill()
+        for _ in range(opt.parallel - 1):
+            engines.append(Engine(owner.model.path, owner.params, model=owner.model, prefill=shared))
+        owner.start_prefill()
+    except BaseException:
+        for e in reversed(engines):
+            e.close()
+        raise
+    return engines
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +174,18 @@ class Built:
     app: object                         # the FastAPI app (create_app)
     spec: tuple[str, ...]               # the spec types a request runs by default (auto: resolved)
     spec_types: tuple[str, ...]         # the spec types a request may name, "none" first
+    batched: bool = False               # the slots share one batched decode
 
     def ready_line(self, url: str) -> str:
         """The line `specrun serve` prints once the model is loaded."""
         n = len(self.state.pool.slots)
-        return (f"specrun serve: {self.state.config.alias} on {url} ({n} slot{'s' * (n > 1)}, ctx {self.state.n_ctx}, "
+        how = " in one batched decode" if self.batched else ""
+        return (f"specrun serve: {self.state.config.alias} on {url} ({n} slot{'s' * (n > 1)}{how}, "
+                f"ctx {self.state.n_ctx}, "
                 f"spec {','.join(self.spec) or 'none'}, requests may use: {', '.join(self.spec_types)})")
 
 
-def build(opt: ServeOptions, engines: list[Engine]) -> Built:
+def build(opt: ServeOptions, engines: list[Engine | SeqEngine]) -> Built:
     """The slots, the chat format, --spec-type auto's choice, the state and the app for options
     around engines (open_engines(opt.model, opt.params, opt.parallel)). Takes the engines over: on
     an error (a --chat-template that does not render) they are closed and the error raised."""
@@ -202,18 +231,21 @@ def build(opt: ServeOptions, engines: list[Engine]) -> Built:
     except BaseException:
         pool.close()
         raise
-    return Built(state, app, tuple(params.spec.types), tuple(spec_types))
+    return Built(state, app, tuple(params.spec.types), tuple(spec_types), hasattr(engines[0], "owner"))
 
 
-def resolve_auto_spec(engines: list[Engine], params: EngineParams, *, refresh: bool = False) -> EngineParams:
-    """--spec-type auto: measure on the first engine and choose its spec types (runtime.auto), then
-    give every slot that spec and the first engine's pass costs. refresh: measure again (no cached
-    machine costs). Returns params with the spec chosen."""
-    params = replace(params, spec=resolve_auto(engines[0], params.spec, refresh=refresh))
+def resolve_auto_spec(engines: list[Engine | SeqEngine], params: EngineParams, *, refresh: bool = False) -> EngineParams:
+    """--spec-type auto: measure on the first engine (batched slots: the engine that owns the
+    model) and choose its spec types (runtime.auto), then give every slot that spec and the first
+    engine's pass costs. refresh: measure again (no cached machine costs). Returns params with the
+    spec chosen."""
+    first = getattr(engines[0], "owner", engines[0])
+    params = replace(params, spec=resolve_auto(first, params.spec, refresh=refresh))
     for e in engines:
         e.set_spec(params.spec)
-    for e in engines[1:]:   # the calibration's pass costs, for every slot
-        e.pass_cost = engines[0].pass_cost.copy()
+    for e in engines:   # the calibration's pass costs, for every slot
+        if e is not first:
+            e.pass_cost = first.pass_cost.copy()
     return params
 
 

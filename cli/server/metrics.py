@@ -72,7 +72,8 @@ class Metrics:
         with self._lock:
             return sum(self.requests.values()) - self.interrupted
 
-    def render(self, *, slots: int, busy: int, waiting: int, queue: int) -> str:
+    def render(self, *, slots: int, busy: int, waiting: int, queue: int, batch: tuple[int, int] | None = None) -> str:
+        """batch: (steps, sequences advanced summed over them) of a batched server's decode loop."""
         out: list[str] = []
 
         def family(name: str, kind: str, help_: str, samples) -> None:
@@ -109,10 +110,16 @@ class Metrics:
             family("draft_accepted_per_position_total", "counter",
                    "Accepted draft tokens at each draft position (0-based).",
                    [((("spec_type", t), ("position", i)), n) for (t, i), n in sorted(self.accepted_pos.items())])
-        family("slots", "gauge", "Slots (engines sharing the model).", [((), slots)])
+        family("slots", "gauge", "Slots (sequences of the batched decode, or engines sharing the model).",
+               [((), slots)])
         family("slots_busy", "gauge", "Slots serving a request.", [((), busy)])
         family("requests_waiting", "gauge", "Requests waiting for a slot.", [((), waiting)])
         family("requests_preparing", "gauge", "Requests whose prompt is being tokenized or rendered.",
                [((), self.n_preparing)])
         family("queue_capacity", "gauge", "Most requests that may wait (--queue).", [((), queue)])
+        if batch is not None:
+            family("batch_steps_total", "counter", "Steps of the batched decode (one decode of every active slot's "
+                   "rows; a prompt chunk of 64+ rows has one of its own).", [((), batch[0])])
+            family("batch_sequences_total", "counter", "Slots advanced by those steps, summed (divided by the steps: "
+                   "the mean batch).", [((), batch[1])])
         return "\n".join(out) + "\n"

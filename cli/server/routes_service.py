@@ -30,8 +30,10 @@ def service_router(state: ServerState) -> APIRouter:
 
     @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def metrics():
+        runner = getattr(state.pool.slots[0].engine, "runner", None)   # batched slots (kernels/batch.py)
         text = state.metrics.render(slots=len(state.pool.slots), busy=state.pool.n_busy,
-                                    waiting=state.pool.n_waiting, queue=cfg.max_queue)
+                                    waiting=state.pool.n_waiting, queue=cfg.max_queue,
+                                    batch=None if runner is None else (runner.n_steps, runner.n_seq_steps))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def card() -> dict:

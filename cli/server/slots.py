@@ -1,19 +1,21 @@
 """Slots of `specrun serve`: N engines over one shared model, each serving one request at a time.
 
-A request takes an idle slot (the one whose KV cache shares the longest prefix with its prompt)
-or waits in a bounded FIFO queue; a full queue raises `Busy`, a stopping server `ShuttingDown`.
-The generation itself runs in a thread of its own (llama.cpp releases the GIL), which hands text to
-the event loop as it comes and gives the slot back the moment it ends: end of generation, a stop
-string, max tokens, or `Run.cancel()` (the client gone, or the server stopping), which the engine
-sees between two prompt chunks (n_ubatch tokens) or two target passes.
+A slot's engine is an Engine of its own (-np 1, --no-cont-batching), or one sequence of the
+batched context (kernels/batch.py: SeqEngine, the same generate() over one decode loop for every
+slot). A request takes an idle slot (the one whose KV cache shares the longest prefix with its
+prompt) or waits in a bounded FIFO queue; a full queue raises `Busy`, a stopping server `ShuttingDown`.
+The generation itself runs in a thread of its own, which hands text to the event loop as it comes
+and gives the slot back the moment it ends: end of generation, a stop string, max tokens, or
+`Run.cancel()` (the client gone, or the server stopping), which the engine sees between two prompt
+chunks (n_ubatch tokens) or two target passes. An Engine decodes in that thread (llama.cpp releases
+the GIL); a batched slot's thread only turns the loop's tokens into text.
 
 One thread per run, ended with it, never a pool of long-lived slot threads: llama.cpp's CPU
 backend runs its graphs with OpenMP, and libgomp keeps a team of worker threads for every thread
 that ever started a parallel region, for that thread's lifetime. Once it manages more threads than
 there are CPUs, it stops spinning at its barriers and sleeps on a futex at each of them (hundreds
-per decode). Measured, 2 threads on 2 cores, once two long-lived slot threads had decoded, every
-later request on either slot, for good: 0.59x on Gemma 3 270M (benchmarks/slots.py), 0.27x on a
-24-layer n_embd-512 model. A thread that ends takes its team with it.
+per decode), and every later decode is slower (docs/server.md has the numbers). A thread that ends
+takes its team with it; the batched loop's thread ends too once no request is left.
 
 Shutdown (`begin_shutdown`, then `drain`): the waiting requests fail with ShuttingDown at once, the
 runs in flight get up to the drain timeout to finish, then are cancelled and awaited.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrun.kernels.batch import SeqEngine
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import SpecParams
 from specrun.kernels.stats import GenStats
@@ -42,9 +45,7 @@ from ..runtime.text import TextRun
 log = logging.getLogger(__name__)
 
 # a streamed job's text goes to the event loop at most this often (its first piece at once): every
-# piece wakes the loop, and its event's work takes CPU from the decode's threads. With an event per
-# token, /completion streamed 8 % slower than unstreamed on the 24-layer synthetic llama target
-# (about 150 tokens/s, 2 threads on 2 cores; median of 11 alternating pairs); with 25 ms, 1.00
+# piece wakes the loop, and its event's work takes CPU from the decode's threads (docs/server.md)
 STREAM_EVERY_S = 0.025
 
 # Completion.stop -> llama-server's stop_type
@@ -83,7 +84,7 @@ class Outcome:
         return {"eos": "stop", "word": "stop", "limit": "length"}.get(self.stop_type)
 
 
-def generate(engine: Engine, job: Job, emit: Callable[[str], None], cancel: threading.Event,
+def generate(engine: Engine | SeqEngine, job: Job, emit: Callable[[str], None], cancel: threading.Event,
              started: Callable[[GenStats], None] = lambda stats: None) -> Outcome:
     """Run one job on one engine (in the slot's thread); emit(text) as it is decided. cancel stops
     it between two prompt chunks or two target passes (stop_type "interrupted"). started(stats):
@@ -135,7 +136,7 @@ class ShuttingDown(Exception):
 @dataclass(slots=True)
 class Slot:
     id: int
-    engine: Engine
+    engine: Engine | SeqEngine
     busy: bool = False
     last: Run | None = None      # the run in flight, or the last one (GET /slots)
 
@@ -273,7 +274,7 @@ class SlotPool:
     """The slots and the bounded FIFO queue of requests waiting for one. Event-loop side only,
     except on_outcome (any thread)."""
 
-    def __init__(self, engines: list[Engine], max_queue: int,
+    def __init__(self, engines: list[Engine | SeqEngine], max_queue: int,
                  on_outcome: Callable[[Job, Outcome], None] = lambda job, outcome: None) -> None:
         self.slots = [Slot(i, e) for i, e in enumerate(engines)]
         self.max_queue = max_queue
