@@ -366,8 +366,10 @@ def read_cache(path: str | os.PathLike, n_vocab: int | None = None,
     if tokens.size and (int(tokens.min()) < 0 or (n_vocab is not None and int(tokens.max()) >= n_vocab)):
         raise _bad(path, "a token id outside the vocabulary")
     if n_vocab is not None and (made_vocab != n_vocab or (fp is not None and not np.array_equal(made_fp, fp))):
-        raise SpecrunError(f"{path}: this suffix cache was made with another tokenizer (n_vocab {made_vocab}, "
-                           f"this model's {n_vocab}); give --spec-suffix-cache another file for this model")
+        why = (f"n_vocab {made_vocab}, this model's {n_vocab}" if made_vocab != n_vocab
+               else "it tokenizes a test text differently")
+        raise SpecrunError(f"{path}: this suffix cache was made with another tokenizer ({why}); give "
+                           "--spec-suffix-cache another file for this model")
     return lengths, tokens
 
 
