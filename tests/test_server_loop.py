@@ -134,21 +134,22 @@ def test_the_workers_are_bounded_and_the_loop_stays_free_when_all_are_busy(serve
 
 
 def test_large_answers_are_made_and_encoded_off_the_loop(server, monkeypatch):
-    """/detokenize's answer is encoded in a worker, not on the loop; /tokenize's, written as text
-    there (HEAVY), is the bytes JSONResponse would write."""
+    """/detokenize's and /tokenize's answers are encoded in a worker, in parts (bulk), not on the
+    loop; their bytes are those JSONResponse would write."""
     from fastapi.responses import JSONResponse
 
-    seen: list[threading.Thread] = []
-    real = JSONResponse.render
+    from specrun.cli.server import bulk
 
-    def spy(self, content):
-        if isinstance(content, dict) and "content" in content:
-            seen.append(threading.current_thread())
-        return real(self, content)
-
-    monkeypatch.setattr(JSONResponse, "render", spy)
-    r = post(server, "/detokenize", {"tokens": [504, 3575, 282] * 100})
-    assert r.status_code == 200 and len(seen) == 1 and seen[0] is not server.thread
+    seen: list[tuple[str, threading.Thread]] = []
+    for name in ("json_string", "json_array"):
+        real = getattr(bulk, name)
+        monkeypatch.setattr(bulk, name, lambda *a, _real=real, _name=name: (
+            seen.append((_name, threading.current_thread())), _real(*a))[1])
+    monkeypatch.setattr(bulk, "STEP", 7)            # several parts even for these short answers
+    monkeypatch.setattr(bulk, "TEXT_STEP", 5)
+    r = post(server, "/detokenize", {"tokens": [504, 3575, 282, 0, 2] * 100})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.content == JSONResponse(r.json()).body and "<|im_end|>" in r.json()["content"]
     r = post(server, "/tokenize", {"content": "Hello world \u00e9\u6771<|im_end|>" * 50, "with_pieces": True})
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     pieces = r.json()["tokens"]
@@ -156,12 +157,54 @@ def test_large_answers_are_made_and_encoded_off_the_loop(server, monkeypatch):
     assert r.content == JSONResponse(r.json()).body
     plain = post(server, "/tokenize", {"content": "Hello world"})
     assert plain.content == JSONResponse({"tokens": [p["id"] for p in pieces[:2]]}).body
+    assert post(server, "/tokenize", {"content": ""}).content == b'{"tokens":[]}'
+    assert [n for n, _ in seen] == ["json_string", "json_array", "json_array", "json_array"]
+    assert server.thread not in {t for _, t in seen}
 
 
 def test_the_loaded_server_is_frozen_for_the_garbage_collector(server):
     import gc
 
     assert gc.get_freeze_count() > 0
+
+
+# ---- long lists are validated in chunks -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [
+    [7] * 10, [7] * 9 + ["x"], [7, 7, True, 7, 7, 7, 1.0, 7, 7, 7, None], ["x"] * 10, "7", [],
+])
+def test_a_chunked_list_validates_as_the_plain_list(monkeypatch, value):
+    """The same value or the same errors (each placed in the whole list) as list[int], chunks of 4."""
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+    monkeypatch.setattr(schemas, "LIST_CHUNK", 4)
+    plain = TypeAdapter(list[int], config=ConfigDict(strict=True))
+    mine = TypeAdapter(schemas.chunked(int))
+    try:
+        want = plain.validate_python(value)
+    except ValidationError as e:
+        with pytest.raises(ValidationError) as got:
+            mine.validate_python(value)
+        errs = e.errors(include_url=False)
+        if len(value) > 4:    # a long list stops at its first chunk with errors
+            errs = [err for err in errs if err["loc"][0] // 4 == errs[0]["loc"][0] // 4]
+        assert got.value.errors(include_url=False) == errs
+    else:
+        assert mine.validate_python(value) == want
+
+
+def test_the_server_places_an_error_in_a_long_list(server):
+    n = schemas.LIST_CHUNK
+    tokens = [504] * (3 * n)
+    tokens[2 * n + 3] = "x"
+    r = post(server, "/detokenize", {"tokens": tokens})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == f"tokens.{2 * n + 3}: Input should be a valid integer"
+    tokens[2 * n + 3] = 504
+    r = post(server, "/detokenize", {"tokens": tokens})
+    assert r.status_code == 200 and r.json()["content"] == post(server, "/detokenize", {"tokens": [504]}).json()[
+        "content"] * (3 * n)
 
 
 # ---- size limits -------------------------------------------------------------------------------------
@@ -316,6 +359,18 @@ def test_the_server_logs_requests_on_stderr_not_stdout(server, capsys):
     lines = [m for m in map(LINE.fullmatch, err.splitlines()) if m]
     assert [m.groups()[:4] for m in lines] == [("POST", "/completion", "127.0.0.1", "200")], err
     assert "done request" not in out and secret not in err
+
+
+def test_verbose_logs_still_one_line_per_request(servers, capsys):
+    """-v: uvicorn's access log stays off (it would write a second line, on stdout)."""
+    with servers.start("-m", MODEL, "-c", "256", "-n", "4", "-v") as srv:
+        capsys.readouterr()
+        assert srv.post("/completion", {"prompt": "Hi", "n_predict": 1}).status_code == 200
+        out, err = capsys.readouterr()
+    assert "/completion" not in out, out
+    assert [m.groups()[:4] for m in map(LINE.fullmatch, err.splitlines()) if m] == [
+        ("POST", "/completion", "127.0.0.1", "200")], err
+    assert err.count("/completion") == 1, err
 
 
 # ---- the body parsed in a worker answers as FastAPI's parser did -------------------------------------

@@ -11,8 +11,8 @@ import json
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
 
+from . import bulk
 from .errors import ApiError
 from .middleware import off_loop_body
 from .schemas import (
@@ -56,9 +56,10 @@ def llama_router(state: ServerState) -> APIRouter:
     router.add_api_route("/completions", completion, methods=["POST"], include_in_schema=False)
     model = state.model
 
-    def tokens(req: TokenizeRequest) -> bytes:
-        """The answer's JSON: {"tokens": [ids]}, or [{"id", "piece"}] with_pieces, written as text
-        (a million small dicts would keep the garbage collector, and the GIL, busy for seconds)."""
+    def tokens(req: TokenizeRequest) -> list[bytes]:
+        """The answer's JSON, in parts: {"tokens": [ids]}, or [{"id", "piece"}] with_pieces, written as
+        text (a million small dicts would keep the garbage collector, and the GIL, busy for seconds)
+        and in steps (bulk)."""
         ids: list[int] = []
         parts = [req.content] if isinstance(req.content, str) else req.content
         for i, part in enumerate(parts):
@@ -68,21 +69,21 @@ def llama_router(state: ServerState) -> APIRouter:
                                    f"(0..{model.n_vocab - 1})", "invalid_value")
                 ids.append(part)
             else:    # llama-server's tokenize_mixed: BOS only in front of the first text
-                ids += model.tokenize(part, add_special=req.add_special and i == 0,
-                                      parse_special=req.parse_special).tolist()
-        if not req.with_pieces:
-            return _json({"tokens": ids})
-        pieces: dict[int, str] = {}   # each distinct id asked of llama.cpp once, as its JSON entry
-        for t in set(ids):
+                ids += bulk.as_list(model.tokenize(part, add_special=req.add_special and i == 0,
+                                                   parse_special=req.parse_special))
+
+        def entry(t: int) -> str:
             b = model.piece(t, special=True)
             try:
                 piece: str | list[int] = b.decode("utf-8")
             except UnicodeDecodeError:
                 piece = list(b)
-            pieces[t] = _json({"id": t, "piece": piece}).decode()
-        step = 1 << 16   # joined in parts: one join of millions holds the GIL throughout
-        parts = [",".join(map(pieces.__getitem__, ids[i:i + step])) for i in range(0, len(ids), step)]
-        return b'{"tokens":[' + ",".join(parts).encode() + b"]}"
+            return _json({"id": t, "piece": piece}).decode()
+
+        try:
+            return [b'{"tokens":', *bulk.json_array(ids, entry if req.with_pieces else str), b"}"]
+        finally:
+            bulk.release(ids)
 
     def text(req: DetokenizeRequest) -> str:
         bad = [t for t in req.tokens if not 0 <= t < model.n_vocab]
@@ -94,11 +95,11 @@ def llama_router(state: ServerState) -> APIRouter:
     # both answer off the event loop: a body of millions of ids or pieces takes seconds to make and encode
     @router.post("/tokenize", summary="text -> token ids (llama-server's)")
     async def tokenize(req: TokenizeRequest):
-        return Response(await state.prepare(lambda: tokens(req)), media_type="application/json")
+        return bulk.PartsResponse(await state.prepare(lambda: tokens(req)))
 
     @router.post("/detokenize", summary="token ids -> text (llama-server's)")
     async def detokenize(req: DetokenizeRequest):
-        return await state.respond(lambda: {"content": text(req)})
+        return bulk.PartsResponse(await state.off_loop(lambda: [b'{"content":', *bulk.json_string(text(req)), b"}"]))
 
     def props() -> dict:
         s, sp, fmt = cfg.sampling, cfg.spec, cfg.chat_format

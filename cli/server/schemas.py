@@ -16,10 +16,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError, core_schema
 
 from specrun.kernels.params import IN_ORDER, spelled
 
@@ -40,6 +50,42 @@ def _unicode(s: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+
+LIST_CHUNK = 1 << 13   # items of a long list validated in one call (pydantic holds the GIL through a call)
+_KNOWN_ERRORS = frozenset(get_args(core_schema.ErrorType))
+
+
+def chunked(item: Any) -> Any:
+    """list[item] (strict), a long one validated LIST_CHUNK items per call, so that a list of
+    millions (token ids) lets the event loop run between its chunks. The value and the errors are
+    list[item]'s, placed in the whole list; a long list stops at its first chunk with errors."""
+    adapter = TypeAdapter(list[item], config=ConfigDict(strict=True))
+
+    def validate(v: Any, handler) -> Any:
+        if not isinstance(v, list) or len(v) <= LIST_CHUNK:
+            return handler(v)
+        out: list = []
+        for i in range(0, len(v), LIST_CHUNK):
+            try:
+                out += adapter.validate_python(v[i:i + LIST_CHUNK])
+            except ValidationError as e:
+                raise _shifted(e, i) from None
+        return out
+
+    return Annotated[list[item], WrapValidator(validate)]
+
+
+def _shifted(e: ValidationError, offset: int) -> ValidationError:
+    """e's errors, their list index moved by offset."""
+    def detail(err: dict) -> dict:
+        kind = err["type"] if err["type"] in _KNOWN_ERRORS else PydanticCustomError(err["type"], err["msg"])
+        return {"type": kind, "loc": (err["loc"][0] + offset, *err["loc"][1:]), "input": err["input"],
+                **({"ctx": err["ctx"]} if "ctx" in err else {})}
+
+    return ValidationError.from_exception_data(e.title, [detail(err) for err in e.errors(include_url=False)])
+
+
+TokenIds = chunked(int)
 
 
 def unsupported(field: str, why: str, *, named: bool = False) -> PydanticCustomError:
@@ -265,7 +311,7 @@ class _Sampling(_Controls):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
+    prompt: Text | chunked(Text) | TokenIds | list[TokenIds] = Field(
         description="text, a list of one text, token ids, or a list of one list of token ids")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's -n)")
     logprobs: int | None = Field(None, ge=0, le=20, description="the log-probability of each generated token "
@@ -461,7 +507,7 @@ class MessagesRequest(_Controls):
 class LlamaCompletionRequest(_Controls):
     """POST /completion, llama-server's own endpoint."""
 
-    prompt: Text | list[int]
+    prompt: Text | TokenIds
     n_predict: int | None = Field(None, ge=-1, description="-1: until end of generation or a full context")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_k: int | None = Field(None, ge=0)
@@ -487,7 +533,7 @@ class LlamaCompletionRequest(_Controls):
 class TokenizeRequest(_Body):
     """POST /tokenize, llama-server's."""
 
-    content: Text | list[Text | int] = Field(description="a text, or texts and token ids mixed (ids kept as they are)")
+    content: Text | chunked(Text | int) = Field(description="a text, or texts and token ids mixed (ids kept as they are)")
     add_special: bool = Field(False, description="add the model's BOS (and EOS) as a prompt gets them")
     parse_special: bool = Field(True, description="read special-token texts ('<|im_end|>') as those tokens")
     with_pieces: bool = Field(False, description="each token as {id, piece}: its text, or its bytes when they "
@@ -497,7 +543,7 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     """POST /detokenize, llama-server's."""
 
-    tokens: list[int] = Field(description="token ids; control tokens are spelled out ('<|im_end|>')")
+    tokens: TokenIds = Field(description="token ids; control tokens are spelled out ('<|im_end|>')")
 
 
 # ---- responses (documentation: handlers return plain JSON) -----------------------------------

@@ -32,6 +32,7 @@ from specrun.kernels.rpc import WorkerLost
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
 from ..runtime.chat import ChatFormat
+from . import bulk
 from .errors import ApiError, ClientGone
 from .limits import MAX_GRAMMAR_BYTES, MAX_SCHEMA_BYTES, PREPARE_THREADS, kib, time_limited
 from .metrics import Metrics
@@ -39,7 +40,6 @@ from .schemas import ChatRequest, Speculative
 from .slots import Busy, Drained, Job, Outcome, Run, ShuttingDown, SlotPool
 
 T = TypeVar("T")
-_JOIN = 1 << 16               # ids joined at once by detokenize (a C loop that holds the GIL)
 
 MAX_BODY = 8 << 20            # bytes: --max-body's default
 BODY_TIMEOUT_S = 10.0         # --body-timeout's default
@@ -312,10 +312,10 @@ class ServerState:
         """Token ids -> text, special tokens written out (llama-server's /detokenize). Each distinct
         id is asked of llama.cpp once."""
         ids = [int(t) for t in tokens]
-        pieces = {t: self.model.piece(t, special=True) for t in set(ids)}
-        # joined in parts: one join of millions holds the GIL (and so the event loop) throughout
-        parts = [b"".join(map(pieces.__getitem__, ids[i:i + _JOIN])) for i in range(0, len(ids), _JOIN)]
-        return b"".join(parts).decode("utf-8", errors="replace")
+        try:   # in steps: one C call over millions of ids holds the GIL (and so the event loop) throughout
+            return bulk.text(ids, lambda t: self.model.piece(t, special=True))
+        finally:
+            bulk.release(ids)
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         """fn() in a worker thread, at most PREPARE_THREADS at once (the others wait their turn): the
