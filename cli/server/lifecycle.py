@@ -54,7 +54,7 @@ class ServeOptions:
     body_timeout: float                 # seconds a request body may take; then a 408
     slots_endpoint: bool                # GET /slots shows the slots (--no-slots: it does not)
     slots_debug: bool                   # /slots shows the requests' texts too (LLAMA_SERVER_SLOTS_DEBUG)
-    verbose: bool                       # -v: uvicorn's info log and access log too
+    verbose: bool                       # -v: uvicorn's info log (its access log stays off)
     auto_refresh: bool = False          # --spec-auto-refresh: auto measures this machine's costs again
     cont_batching: bool = True          # -cb / -nocb: -np > 1 slots share one batched decode (kernels/batch.py)
     batch_threads: int = 0              # the batched context's threads (all of them; 0: params.n_threads)
