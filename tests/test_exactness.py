@@ -142,6 +142,20 @@ def test_ngram_simple_drafts_and_accepts_on_copying(target):
     assert len(st.drafters[0].acc_per_pos) > 3 and st.drafters[0].acc_per_pos[3] > 0
 
 
+# make test: SmolLM2 greedy on the long copy and Gemma seeded on the short prompt; the rest: full
+@pytest.mark.parametrize("target, prompt, temp",
+                         grid(MODELS, sorted(PROMPTS), TEMPS,
+                              keep=lambda *c: c in {("smollm", "long", 0.0), ("gemma", "short", 0.8)}),
+                         indirect=["target"])
+def test_suffix_equals_plain(target, prompt, temp):
+    """suffix (specrun's own type): drafts from the text's own suffixes and, from the second run of a
+    prompt on, from the global tree of earlier outputs; both branches of the verifier are taken."""
+    for _ in range(2):             # the second run copies the first one's output from the global tree
+        got, st = run(target.engine, target.prompts[prompt], temp, spec=spec(("suffix",)))
+        assert got == target.plain(prompt, temp)
+        assert st.n_drafted > 0
+
+
 # make test: Gemma (sliding-window layers; one draft model loaded), both prompts, both temperatures,
 # n-max 3 and 15, in four cells
 SELF_CELLS = {("gemma", 15, "long", 0.0), ("gemma", 3, "long", 0.8), ("gemma", 3, "short", 0.0),
