@@ -220,6 +220,8 @@ class TokenStore:
         while chain[-1].size and len(chain) < m0:
             m = len(chain) + 1
             e = chain[-1]
+            if e.size == 1 and buf[e[0] + 1] < 0:               # only the text's own end: nothing follows
+                break
             chain.append(e[buf[e - (m - 1)] == pattern[-m]])
         if not chain[-1].size:
             chain.pop()
@@ -229,48 +231,53 @@ class TokenStore:
         for cap, m in sorted(caps, reverse=True):              # the longest possible drafts first, to prune
             if cap <= 0 or cap < best_score or (cap == best_score and (best_m == 0 or m < best_m)):
                 continue
-            tokens, score = self._path(chain[m - 1], cap, p.min_token_prob)
+            tokens, score = self._path(chain[m - 1], cap, p.min_token_prob, best_score)
             if score > best_score or (score == best_score and best_m and m > best_m):
                 best, best_m, best_score = Candidate(tokens, score, m), m, score
         return best
 
-    def _path(self, ends: np.ndarray, cap: int, min_prob: float) -> tuple[np.ndarray, float]:
+    def _path(self, ends: np.ndarray, cap: int, min_prob: float, beat: float = 0.0) -> tuple[np.ndarray, float]:
         """Up to cap tokens after the occurrences ending at `ends` (int64 [n], n >= 1): each the
         most frequent next token (ties: the latest occurrence's), while the running probability
-        stays >= min_prob. Returns (tokens int32 [k], the sum of their probabilities)."""
+        stays >= min_prob. Returns (tokens int32 [k], the sum of their probabilities). Stops early,
+        with what it has, once even cap tokens at the running probability cannot reach `beat`."""
         buf = self.buf
         out: list[int] = []
-        prob, score, n = 1.0, 0.0, ends.size
+        prob, score = 1.0, 0.0
         cur = ends
         while len(out) < cap:
-            if cur.size == 1:                                  # one occurrence: a plain copy
+            if score + prob * (cap - len(out)) < beat:         # cannot win: stop here
+                break
+            n = cur.size
+            if n == 1:                                         # one occurrence: a plain copy
                 p0 = int(cur[0]) + 1
                 run = buf[p0:p0 + cap - len(out)]
                 stop = np.flatnonzero(run < 0)
                 run = run[:stop[0]] if stop.size else run
-                if run.size and prob / n >= min_prob:
-                    prob /= n
-                    out.extend(run.tolist())
-                    score += prob * run.size
+                out.extend(run.tolist())
+                score += prob * run.size
                 break
             nxt = buf[cur + 1]                                 # [n]: what follows each occurrence
-            live = nxt >= 0
-            if not live.any():
+            live = nxt[nxt >= 0]
+            if live.size == 0:
                 break
-            vals, counts = np.unique(nxt[live], return_counts=True)
-            top = np.flatnonzero(counts == counts.max())
-            if top.size == 1:
-                c = int(vals[top[0]])
-            else:                                              # the latest occurrence's token
-                last = max(int(cur[nxt == vals[i]].max()) for i in top)
-                c = int(buf[last + 1])
-            cnt = int(counts[np.searchsorted(vals, c)])
+            if (live == live[0]).all():                        # one continuation (a repeated text)
+                c, cnt = int(live[0]), live.size
+            else:
+                vals, counts = np.unique(live, return_counts=True)
+                top = np.flatnonzero(counts == counts.max())
+                if top.size == 1:
+                    c = int(vals[top[0]])
+                else:                                          # the latest occurrence's token
+                    last = max(int(cur[nxt == vals[i]].max()) for i in top)
+                    c = int(buf[last + 1])
+                cnt = int(counts[np.searchsorted(vals, c)])
             if prob * cnt / n < min_prob:
                 break
             prob = prob * cnt / n
             out.append(c)
             score += prob
-            cur, n = cur[nxt == c] + 1, cnt
+            cur = cur[nxt == c] + 1
         return np.asarray(out, dtype=np.int32), score
 
 
