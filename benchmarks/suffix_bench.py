@@ -311,6 +311,9 @@ def run(args) -> dict:
                 kept, done = session(model, path, w, systems, rep, args)
                 requests += kept
                 servers += done
+                partial = Path(args.out).with_suffix(".partial.json")   # what a stopped run keeps: --from-json it
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"meta": meta, "servers": servers, "requests": requests}, indent=1) + "\n")
     return {"meta": meta, "servers": servers, "requests": requests}
 
 
