@@ -75,6 +75,21 @@ def chunked(item: Any) -> Any:
     return Annotated[list[item], WrapValidator(validate)]
 
 
+def chunked_dict(value: Any) -> Any:
+    """dict[str, value] (strict), a long one validated LIST_CHUNK entries per call (as chunked)."""
+    adapter = TypeAdapter(dict[str, value], config=ConfigDict(strict=True))
+
+    def validate(v: Any, handler) -> Any:
+        if not isinstance(v, dict) or len(v) <= LIST_CHUNK:
+            return handler(v)
+        items, out = list(v.items()), {}
+        for i in range(0, len(items), LIST_CHUNK):
+            out.update(adapter.validate_python(dict(items[i:i + LIST_CHUNK])))
+        return out
+
+    return Annotated[dict[str, value], WrapValidator(validate)]
+
+
 def _shifted(e: ValidationError, offset: int) -> ValidationError:
     """e's errors, their list index moved by offset."""
     def detail(err: dict) -> dict:
@@ -226,7 +241,7 @@ class _Controls(_Body):
     repeat_last_n: int | None = Field(None, ge=0, le=INT32_MAX, description="llama.cpp extension: the last tokens "
                                       "(prompt included) the penalties look at (0: off; negative: a 400, as "
                                       "llama-server)")
-    logit_bias: dict[str, float | bool] | list[list[int | str | float | bool]] | None = Field(
+    logit_bias: chunked_dict(float | bool) | chunked(list[int | str | float | bool]) | None = Field(
         None, description="llama-server's: an object {\"15043\": 1.5, \" Hello\": false} or pairs [[15043, 1.5], "
         "[\" Hello\", false]]; a key that is a whole number is a token id, any other text gives its bias to each of "
         "its tokens; the bias is added to the logit (false: never, -inf)")
