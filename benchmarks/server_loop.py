@@ -46,6 +46,10 @@ def heavy_requests() -> list[tuple[str, str | None, bytes]]:
                                                                "with_pieces": True})),
         ("logit_bias, 300k text keys", "/completion", body({**GREEDY, "logit_bias": {f"w{i}x": -1.0
                                                                                      for i in range(300_000)}})),
+        ("logit_bias, 262144 id pairs", "/completion", body({**GREEDY, "logit_bias": [[i % 1000, -1.0]
+                                                                                     for i in range(262_144)]})),
+        ("/completion, prompt of 3.9M ids", "/completion", b'{"n_predict":1,"prompt":['
+         + b",".join([b"7"] * 3_900_000) + b"]}"),
         ("logit_bias, 4096 text keys", "/completion", body({**GREEDY, "logit_bias": {f"w{i}x": -1.0
                                                                                      for i in range(4096)}})),
         ("grammar, 769 KB", "/completion", body({**GREEDY, "grammar": alternation(64_000)})),
