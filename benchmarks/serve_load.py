@@ -72,7 +72,9 @@ from peers import (  # noqa: E402
     write_results,
 )
 
-SYSTEMS = ("specrun", "llama-server")
+# specrun-nocb: specrun serve -nocb, an engine per slot with the threads divided (serve's -np before the
+# batched decode); at 1 client it is the same server as specrun's, so it runs from 2 clients on
+SYSTEMS = ("specrun", "specrun-nocb", "llama-server")
 MODELS = ("gemma-3-270m", "smollm2-135m-instruct")
 # peers.py's `ngram-simple n3 m16`: llama-server's fastest n-gram setting on 6 of its 9 workloads (peers.md)
 SETTINGS = {
@@ -155,8 +157,9 @@ def warm_up(url: str, prompts: list[tuple[str, str]], clients: int) -> None:
 
 def server_command(system: str, model: str, path: str, setting: str, clients: int, port: int, args) -> list[str]:
     common = ["-np", str(clients), "--host", "127.0.0.1", "--port", str(port), *SETTINGS[setting]]
-    if system == "specrun":
-        return [args.specrun, "serve", "-m", model, "-c", str(args.ctx), *common]
+    if system.startswith("specrun"):
+        nocb = ["-nocb"] if system == "specrun-nocb" else []
+        return [args.specrun, "serve", "-m", model, "-c", str(args.ctx), *nocb, *common]
     return [args.llama_server, "-m", path, "-t", str(args.threads), "-c", str(args.ctx * clients), *common]
 
 
@@ -175,6 +178,7 @@ def measure_cell(model: str, path: str, setting: str, clients: int, systems: lis
     alternating. A server that fails keeps the phases it finished; the other goes on. Returns (the
     phases, one record per server)."""
     prompts = [mix[i % len(mix)] for i in range(args.requests)]
+    systems = [s for s in systems if not (s == "specrun-nocb" and clients == 1)]
     tag = f"{model}-{setting}-np{clients}"
     cmds = {s: server_command(s, model, path, setting, clients, free_port(), args) for s in systems}
     logs = {s: LOGS / f"serve_load-{s}-{tag}.log" for s in systems}
@@ -231,7 +235,7 @@ def measure_cell(model: str, path: str, setting: str, clients: int, systems: lis
     return phases, list(servers.values())
 
 
-def run(args) -> dict:
+def run(args, save=None) -> dict:
     commit, dirty = git_state()
     version = ""
     if "llama-server" in args.systems:
@@ -253,6 +257,8 @@ def run(args) -> dict:
                 ph, sv = measure_cell(model, path, setting, c, args.systems, mix, args, texts)
                 phases += ph
                 servers += sv
+                if save:                                 # what is measured so far survives a stopped run
+                    save({"meta": meta, "servers": servers, "phases": phases, "texts": texts})
     return {"meta": meta, "servers": servers, "phases": phases, "texts": texts}
 
 
@@ -277,6 +283,9 @@ def alone_texts(run: dict) -> dict[tuple[str, str, str], str]:
         if p["clients"] == 1 and p["setting"] == "none":
             for r in p["requests"]:
                 out.setdefault((p["model"], p["system"], r["prompt"]), r["text_id"])
+    for (model, system, prompt), t in list(out.items()):      # -nocb at 1 client is specrun's server
+        if system == "specrun":
+            out.setdefault((model, "specrun-nocb", prompt), t)
     return out
 
 
@@ -321,19 +330,22 @@ def table(run: dict) -> list[str]:
            f"of the mix below, {m['reps']} rep{'s' * (m['reps'] > 1)} a cell. tok/s: all generated tokens / the phase's wall time "
            "(median over reps); p50 / p95: request latency in seconds, over every request of the cell; `= alone`: "
            "requests whose text equals the same system's text at 1 client, `none`.", "",
-           "| model | setting | clients | specrun tok/s | p50 | p95 | = alone | llama-server tok/s | p50 | p95 "
-           "| = alone | tok/s ÷ | p95 ÷ |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "`-nocb`: specrun serve -nocb, an engine per slot (the -np before the batched decode). "
+           "`÷` columns: specrun (batched) over llama-server, and over -nocb.", "",
+           "| model | setting | clients | specrun tok/s | p50 | p95 | = alone | -nocb tok/s | p95 | = alone "
+           "| llama-server tok/s | p50 | p95 | = alone | tok/s ÷ | p95 ÷ | tok/s ÷ -nocb |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = dict.fromkeys((r["model"], r["setting"], r["clients"]) for r in rows)
     for model, setting, clients in cells:
-        a, b = (by.get((model, setting, clients, s)) for s in SYSTEMS)
+        a, n, b = (by.get((model, setting, clients, s)) for s in SYSTEMS)
         line = [model, setting, str(clients)]
-        for r in (a, b):
-            line += ([f"{r['tok_s']:.1f}", f"{r['p50_s']:.2f}", f"{r['p95_s']:.2f}",
-                      "—" if r["equal_alone"] is None else f"{r['equal_alone']}/{r['requests']}"] if r
-                     else ["—"] * 4)
+        for r, cols in ((a, 4), (n, 3), (b, 4)):
+            eq = r and ("—" if r["equal_alone"] is None else f"{r['equal_alone']}/{r['requests']}")
+            line += ([f"{r['tok_s']:.1f}", f"{r['p50_s']:.2f}", f"{r['p95_s']:.2f}", eq][4 - cols:] if cols == 4
+                     else [f"{r['tok_s']:.1f}", f"{r['p95_s']:.2f}", eq]) if r else ["—"] * cols
         line += [_f(a["tok_s"] / b["tok_s"] if a and b else None, ".2f"),
-                 _f(a["p95_s"] / b["p95_s"] if a and b else None, ".2f")]
+                 _f(a["p95_s"] / b["p95_s"] if a and b else None, ".2f"),
+                 _f(a["tok_s"] / n["tok_s"] if a and n else None, ".2f")]
         out.append("| " + " | ".join(line) + " |")
     pairs = [(by[(*k, "specrun")], by[(*k, "llama-server")]) for k in cells
              if (*k, "specrun") in by and (*k, "llama-server") in by]
@@ -479,8 +491,13 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         old = json.loads(out.read_text()) if out.is_file() else {}
         data = {"runs": {k: v for k, v in old.get("runs", {}).items() if k != args.label}}
-        data["runs"][args.label] = run(args)
         out.parent.mkdir(parents=True, exist_ok=True)
+
+        def save(partial: dict) -> None:
+            data["runs"][args.label] = partial
+            out.write_text(json.dumps(data, indent=1) + "\n")
+
+        data["runs"][args.label] = run(args, save)
     write_results(out, data, markdown(data))
     if args.docs:                                   # only this benchmark's block: the other tables stay
         DOCS.write_text(replace_block(DOCS.read_text(encoding="utf-8"), markdown(data, level=3), BEGIN, END),
