@@ -13,7 +13,7 @@ import pytest
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.engine import Engine
-from specrun.kernels.params import EngineParams, NgramMapParams, NgramModParams, SpecParams
+from specrun.kernels.params import EngineParams, NgramMapParams, NgramModParams, SpecParams, SuffixParams
 from specrun.kernels.prefill import BLOCK
 from specrun.kernels.types import Draft, DraftOptions, SamplingParams, TargetPass
 
@@ -138,11 +138,13 @@ def test_draft_length_above_the_cap_is_refused_with_the_cap(engine):
     (SpecParams(ngram_size_m=8, ngram_mod=NgramModParams(n_max=100)), False, 100),
     (SpecParams(ngram_size_m=8, ngram_map_k4v=NgramMapParams(size_m=80), ngram_mod=NgramModParams(n_max=20)), False, 80),
     (SpecParams(n_max=5, ngram_size_m=8, ngram_map_k=NgramMapParams(size_m=4), ngram_map_k4v=NgramMapParams(size_m=4),
-                ngram_mod=NgramModParams(n_max=4)), False, 16),
+                ngram_mod=NgramModParams(n_max=4), suffix=SuffixParams(max_depth=4)), False, 16),
+    (SpecParams(n_max=5, ngram_size_m=8, ngram_map_k=NgramMapParams(size_m=4), ngram_map_k4v=NgramMapParams(size_m=4),
+                ngram_mod=NgramModParams(n_max=4)), False, 23),                       # suffix: max-depth 24 - 1
     (SpecParams(ngram_mod=NgramModParams(n_max=100)), True, 62),
 ])
 def test_the_cap_is_the_longest_bound_of_any_drafter(engine, spec, exact, cap):
-    """Each n-gram type's own flag bounds its drafts (a request may switch to any type), so the
+    """Each n-gram type's own flag (and suffix's max-depth) bounds its drafts (a request may switch to any type), so the
     engine's cap is the largest of them and --spec-draft-n-max (at least 16), within exact mode's 62."""
     with Engine(engine.model.path, EngineParams(n_ctx=256, exact=exact, spec=spec), model=engine.model) as e:
         assert e.n_max_cap == cap
