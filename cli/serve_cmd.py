@@ -39,7 +39,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     """Bind (and listen) before loading the model, so a taken port fails at once and with a clear
     message, and clients connect from the first line on (answered 503 `loading`). The socket says
     IPPROTO_TCP, so asyncio sets TCP_NODELAY on every accepted connection (with protocol 0 it does
-    not, and each request on a kept-alive connection waited ~40 ms for the client's delayed ACK)."""
+    not, and each request on a kept-alive connection waited for the client's delayed ACK)."""
     try:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -121,7 +121,7 @@ def check_mtp(model: str | Path, heads: str | Path | None = None, *, prompt: Seq
     heads = an MTP-only GGUF. Generates n_gen greedy tokens one at a time after `prompt`, then
     compares MTP and target argmax at every generated position (`greedy`); `vocab` also runs
     every token id once in a seeded random order; time_reps > 0 times one-token decodes.
-    n_threads defaults to 1: on a busy machine ggml's 2-thread barrier can cost 10-100x."""
+    n_threads defaults to 1: on a busy machine ggml's thread barriers dominate a one-token decode."""
     model = Path(model)
     heads = Path(heads) if heads is not None else None
     spec = load_spec(model)

@@ -23,7 +23,7 @@ penalties, then top-k -> top-p -> min-p -> temperature (kernels.sampling). The g
 llama.cpp's own sampler (kernels.grammar) and, like llama.cpp's grammar-first sampling, it
 removes tokens before top-k; to keep a 262k vocabulary cheap it is asked only about the best
 tokens, in growing bands, until the top-k (greedy: the best) allowed ones are known, which is all
-the chain after it reads; with --top-k 0 it judges the whole vocabulary (measured in the README).
+the chain after it reads; with --top-k 0 it judges the whole vocabulary.
 """
 
 from __future__ import annotations

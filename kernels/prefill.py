@@ -51,13 +51,8 @@ MIN_PROMPT = 256     # shorter prompts stay on the exact path (the hand-over's f
 def fast_len(n_prompt: int) -> int:
     """The prompt positions [0, fast_len) the fast context evaluates in aligned blocks: all but
     the last 1..MIN_BLOCK tokens (the tail, one decode of its own), rounded down to a multiple of
-    MIN_BLOCK. 0 for prompts under MIN_PROMPT tokens: measured in one process on 2 threads (median
-    of 7, the two paths alternating), the fast path's prompt time against the exact path's is
-    1.19 / 1.08 / 1.01 / 0.94 / 0.94 / 0.87 / 0.87 on Gemma 3 270M at 20 / 66 / 128 / 160 / 256 /
-    400 / 512 tokens, and 1.28 / 1.13 / 1.06 / 1.03 / 1.00 / 0.94 / 0.92 on SmolLM2 at 20 / 66 /
-    128 / 200 / 256 / 400 / 512 (its larger KV rows to hand over). (Earlier measurements that put
-    the line at 128 timed the exact path while numpy's BLAS threads still spun after the fast
-    path's hand-over: kernels/kvstate.py.)"""
+    MIN_BLOCK. 0 for prompts under MIN_PROMPT tokens: below it the fast path is no faster than the
+    exact one (docs/design.md, "The fast prompt path"; benchmarks/prompt_kernels.py)."""
     return (n_prompt - 1) // MIN_BLOCK * MIN_BLOCK if n_prompt >= MIN_PROMPT else 0
 
 
