@@ -4,14 +4,14 @@ The engine is opened with every spec type the files allow (loading.available_typ
 resolve_auto() runs kernels.calibrate on it (the verify-cost curve and short greedy probes of the
 prompt) and returns the SpecParams to generate with; the reason goes to stderr as one line. The
 calibration's verify-cost curve seeds the engine's pass costs (what --spec-draft-adaptive weighs a
-draft length by), so its first generation measures none. The setting with the best predicted
-speedup runs as it was calibrated; when none is predicted faster, or an ngram-simple setting won
-on the built-in prompt of chat and serve (not the request's text), ngram-simple stays on with --spec-draft-adaptive, which holds it back (0 rows, the
-engine scores its whole proposals instead) on text it does not predict. Every n-gram type of
-llama.cpp is a candidate (ngram-simple at the command's sizes and at n2 m16, ngram-map-k, -map-k4v,
-ngram-mod, ngram-cache), and specrun's suffix (probed without its global tree: what a first request
-gets), probed on the same prompt. suffix, like ngram-simple, runs adaptive when it won on the built-in
-prompt.
+draft length by), so its first generation measures none. The setting with the best predicted speedup
+runs as it was calibrated; when none is predicted faster, or an ngram-simple setting won on the
+built-in prompt of chat and serve (not the request's text), ngram-simple stays on with
+--spec-draft-adaptive, which holds it back (0 rows, the engine scores its whole proposals instead)
+on text it does not predict. Every n-gram type of llama.cpp is a candidate (ngram-simple at the
+command's sizes and at n2 m16, ngram-map-k, -map-k4v, ngram-mod, ngram-cache), and specrun's suffix
+(probed without its global tree: what a first request gets), probed on the same prompt. suffix, like
+ngram-simple, runs adaptive when it won on the built-in prompt.
 
 The machine's costs (the verify-cost curve, T1, each drafter's c0 and c1) are cached in
 auto_cache_dir(), keyed by the model files, the machine, the threads and the settings
