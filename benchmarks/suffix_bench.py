@@ -106,6 +106,7 @@ SYSTEMS = (
     System("ngram-simple", "specrun", N3M16),
     System("ngram-mod", "specrun", ("--spec-type", "ngram-mod")),
     System("suffix", "specrun", ("--spec-type", "suffix")),
+    System("suffix-adaptive", "specrun", ("--spec-type", "suffix", "--spec-draft-adaptive")),
     System("llama-server:ngram-simple", "llama-server", N3M16),
     System("llama-server:ngram-mod", "llama-server", ("--spec-type", "ngram-mod")),
     System("llama-server:none", "llama-server", ("--spec-type", "none")),
@@ -113,7 +114,8 @@ SYSTEMS = (
 )
 DEFAULT_SYSTEMS = ("none", "ngram-simple", "ngram-mod", "suffix", "llama-server:ngram-simple",
                    "llama-server:ngram-mod")
-LABELS = {"ngram-simple": "ngram-simple n3 m16", "llama-server:ngram-simple": "llama-server ngram-simple n3 m16",
+LABELS = {"ngram-simple": "ngram-simple n3 m16", "suffix-adaptive": "suffix --spec-draft-adaptive",
+          "llama-server:ngram-simple": "llama-server ngram-simple n3 m16",
           "llama-server:ngram-mod": "llama-server ngram-mod", "llama-server:none": "llama-server none"}
 
 
