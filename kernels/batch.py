@@ -3,6 +3,7 @@
     submit(request) -> Handle            # any thread: queued for a free sequence (seq_id)
     step():                              # one thread (the server's loop)
         admit queued requests into free sequences (their KV reused, or a shared prefix copied)
+        drafts: each generating sequence's proposal, cut to the rows that pay (draftlen.share_rows)
         rows = for each active sequence: a prompt chunk, or [id_last, d1..dk] (its draft, k may be 0)
         ONE llama_decode of all rows (prompt chunks of 64+ rows: a decode of their own, see below)
         per sequence: verify its rows, roll back what was rejected, tell its drafters, emit
@@ -49,10 +50,10 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from .constrain import Constraints, VerifyPass
 from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
-from .draftlen import PassCost
+from .draftlen import DraftLength, PassCost, curve_rows, expected_tokens, share_rows
 from .engine import Engine, Generation, resolve_seed, verify_mode
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
-from .params import EngineParams, SpecParams
+from .params import NGRAM_TYPES, EngineParams, SpecParams
 from .sampling import sample
 from .stats import DrafterStats, GenStats
 from .types import (
@@ -70,16 +71,15 @@ from .verify import verify
 log = logging.getLogger(__name__)
 
 FA_TILE_Q = MAX_EXACT_BATCH + 1   # a sequence's rows in a ubatch from which flash attention tiles
-DRAFT_ROWS = 16                   # draft tokens a step verifies, all sequences together
+PROBE_ROWS = 64                   # the longest pass the cost probe times (draftlen.curve_rows)
 SHARE_MIN = 8                     # a prompt prefix worth copying from another sequence (tokens)
 _SAMPLING_DEFAULT = SamplingParams()   # llama.cpp's defaults (temp 0.8), as Engine.generate's
 
 
 def draft_budget(n_active: int, rows: int) -> int:
-    """The longest draft of each generating sequence in a step: `rows` draft tokens shared by the
-    n_active sequences, none once there are more sequences than rows (every row of a large batch
-    is then a one-token step). A fixed rule; the adaptive one (expected tokens per unit of step
-    time, draftlen.PassCost of the batch) is not built yet."""
+    """BatchParams.draft_rows' fixed rule: the longest draft of each generating sequence in a step,
+    `rows` draft tokens shared by the n_active sequences, none once there are more sequences than
+    rows. The default (draft_rows None) weighs each row instead (draftlen.share_rows)."""
     return rows // n_active if n_active else rows
 
 
@@ -90,7 +90,9 @@ class BatchParams:
     n_batch: int = 2048         # rows of one decode
     n_ubatch: int = 512         # prompt chunk (as the Engine's)
     n_threads: int = 0          # 0: default_threads()
-    draft_rows: int = DRAFT_ROWS  # draft tokens a step verifies, all sequences together (draft_budget)
+    # None: each step's drafts are cut to the rows expected to pay at the batch's pass cost and each
+    # sequence's acceptance (draftlen.share_rows); n: a fixed n rows shared (draft_budget; tests)
+    draft_rows: int | None = None
     draft_model: str | None = None   # -md for draft-simple
     share_min: int = SHARE_MIN
 
@@ -148,6 +150,7 @@ class _Seq:
         self.h: Handle | None = None
         self.drafter_cache: dict[tuple, Drafter] = {}
         self.drafters: list[Drafter] = []
+        self.lens: list[DraftLength] = []  # each drafter's acceptance and pending proposal (adaptive rows)
         self.prompt = np.zeros(0, dtype=np.int32)
         self.text: list[int] = []          # prompt + emitted tokens (ends with id_last once generating)
         self.wait: tuple[int, int] | None = None   # (source seq, tokens) to copy before evaluating
@@ -191,7 +194,8 @@ class BatchEngine:
         self.n_max_cap = min(MAX_EXACT_BATCH - 1, self.ctx.n_batch - 1)
         self.target = TargetView(self.model, self.ctx, self.n_ctx_seq, self.ctx.n_batch, params.n_threads, True)
         self.seqs = [_Seq(i) for i in range(params.n_seq)]
-        self.pass_cost = PassCost()     # t(rows) of the shared decodes (for an adaptive budget)
+        self.pass_cost = PassCost()     # t(rows) of the shared decodes (share_rows), probed once
+        self.probed = False
         self.n_stepped = 0              # sequences the last step advanced (their rows decoded)
         self._queue: deque[Handle] = deque()
         self._lock = threading.Lock()
@@ -289,6 +293,10 @@ class BatchEngine:
                 continue
             h.stats = GenStats(n_prompt_total=len(prompt), exact=True, seed=s.sampling.seed,
                                drafters=[DrafterStats(d.spec_type) for d in s.drafters])
+            s.lens = [DraftLength(max(1, min(draft_n_max(d.spec_type, s.spec), self.n_max_cap)), True,
+                                  0 if d.spec_type in NGRAM_TYPES else 1) for d in s.drafters]
+            for dl in s.lens:
+                dl.start(self.pass_cost)
             if s.limit == 0:
                 out.append((h, []))
                 self._finish(s, "n_predict")
@@ -359,13 +367,16 @@ class BatchEngine:
         active = [s for s in self.seqs if s.h is not None and s.wait is None]
         gen = [s for s in active if not s.prefilling]
         self.n_stepped = 0
-        budget = draft_budget(len(gen), self.params.draft_rows)
         # (seq, tokens, pos0, outputs?, draft, its controls' states)
         rows: list[tuple[_Seq, list[int], int, bool, Draft | None, VerifyPass | None]] = []
         n_rows = 0
         spare = self.ctx.n_batch - len(gen)       # rows left for drafts and prompt chunks
-        for s in gen:
-            draft = self._propose(s, min(budget, self._room(s), spare))
+        if self.params.draft_rows is None:
+            drafts = self._drafts(gen, spare)
+        else:
+            budget = draft_budget(len(gen), self.params.draft_rows)
+            drafts = [self._propose(s, min(budget, self._room(s), spare // len(gen))) for s in gen]
+        for s, draft in zip(gen, drafts, strict=True):
             vp = None
             if s.cons is not None:   # cut at the first token the constrained target cannot emit (as the Engine)
                 vp = s.cons.verify_pass(draft)
@@ -425,6 +436,71 @@ class BatchEngine:
         """The longest draft sequence s may verify now: tokens left, cells left, exact mode's cap."""
         n_past = len(s.text) - 1
         return max(0, min(s.limit - len(s.h.tokens) - 1, self.n_ctx_seq - n_past - 2, self.n_max_cap))
+
+    def _drafts(self, gen: list[_Seq], spare: int) -> list[Draft]:
+        """Each generating sequence's draft for this step: its drafter's proposal, cut to the rows
+        expected to pay in the shared decode (share_rows: each sequence's acceptance, the batch's
+        pass cost). A copy drafter (n-grams, suffix) is asked for its longest proposal and may be
+        held back (0 rows; its proposal is still scored against the text); a model drafter drafts
+        its own best length alone and keeps at least one row, so that its estimate learns."""
+        room = spare // max(1, len(gen))
+        cands = [self._candidate(s, min(self._room(s), room)) for s in gen]
+        if not self.probed and any(len(c[1]) for c in cands):
+            self._probe(gen)
+        ks = share_rows([c[0] for c in cands], [len(c[1]) for c in cands], [c[2] for c in cands],
+                        self.pass_cost, len(gen))
+        return [Draft.empty() if k == 0 else Draft(d.tokens[:k], None if d.probs is None else d.probs[:k])
+                for (_, d, _), k in zip(cands, ks, strict=True)]
+
+    def _candidate(self, s: _Seq, room: int) -> tuple[list[float], Draft, int]:
+        """(per-position acceptance rates, the draft it may make, its least rows) of sequence s."""
+        if room <= 0 or not s.drafters:
+            return [], Draft.empty(), 0
+        ctx = np.asarray(s.text, dtype=np.int32)
+        for i, (d, dl) in enumerate(zip(s.drafters, s.lens, strict=True)):
+            cap = min(room, dl.cap if dl.k_min == 0 else max(1, dl.n))
+            t = time.perf_counter()
+            draft = d.propose(ctx, cap)
+            st = s.h.stats.drafters[i]
+            st.n_call_draft += 1
+            st.t_draft_s += time.perf_counter() - t
+            if len(draft) > cap:
+                raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
+            if not len(draft) or len(draft) < s.spec.n_min:
+                continue
+            s.which = i
+            if dl.k_min:                     # a model drafter: its draft as made
+                return dl.acc.rates(len(draft)), draft, 1
+            best = max(dl.candidates(draft.tokens, len(ctx)), default=None,
+                       key=lambda c: expected_tokens(c[0], min(len(c[1]), room)))
+            if best is None:
+                return [], Draft.empty(), 0
+            toks = best[1][:room]
+            return best[0], Draft(toks), 0
+        return [], Draft.empty(), 0
+
+    def _probe(self, gen: list[_Seq]) -> None:
+        """Time shared decodes of curve_rows(PROBE_ROWS) rows once, past a generating sequence's KV
+        (removed again), so that share_rows knows what rows it has not chosen yet would cost."""
+        s = next((q for q in gen if len(q.kv) + PROBE_ROWS < self.n_ctx_seq), None)
+        if s is None or PROBE_ROWS > self.ctx.n_batch:
+            return
+        self.probed = True
+        n = len(s.kv)
+        fill = np.resize(np.asarray(s.kv or [self.model.bos], dtype=np.int32), PROBE_ROWS).tolist()
+        times: dict[int, float] = {}
+        for _ in range(2):
+            for r in curve_rows(PROBE_ROWS):
+                t = time.perf_counter()
+                self.ctx.decode_seqs(fill[:r], range(n, n + r), [s.sid] * r, [True] * r)
+                dt = time.perf_counter() - t
+                if not self.ctx.seq_rm_of(s.sid, n, -1):
+                    raise LlamaError(f"could not remove {r} probing rows of sequence {s.sid} at {n}")
+                times[r] = min(times.get(r, dt), dt)
+        top = 0.0
+        for r in sorted(times):                   # noise must not make more rows look cheaper
+            top = max(top, times[r])
+            self.pass_cost.record(r, top)
 
     def _propose(self, s: _Seq, k_cap: int) -> Draft:
         """The first non-empty proposal of the sequence's drafters (llama.cpp's order), at most k_cap."""
@@ -493,7 +569,11 @@ class BatchEngine:
         if k:
             st.verify = mode
             st.drafters[s.which].record(k, verdict.n_accepted)
+            if s.lens:
+                s.lens[s.which].record(k, verdict.n_accepted, self.pass_cost)
         self._emit(s, verdict.tokens.tolist(), out, rows)
+        for dl in s.lens:            # copy drafters: their pending proposals against the text
+            dl.score(s.text, self.pass_cost)
 
     def _emit(self, s: _Seq, toks: list[int], out: list, rows: np.ndarray) -> None:
         """toks for s's request, cut at end-of-generation and its limit; rows: the raw logits rows
@@ -536,7 +616,7 @@ class BatchEngine:
         h.done = True
         if s.cons is not None:
             s.cons.close()
-        s.h, s.wait, s.drafters, s.cons = None, None, [], None
+        s.h, s.wait, s.drafters, s.lens, s.cons = None, None, [], [], None
         s.text = []
 
     # -- convenience -----------------------------------------------------------------------
@@ -748,7 +828,7 @@ class SeqEngine:
             self.owner.close()
 
 
-def batch_slots(owner: Engine, n: int, n_threads: int = 0, draft_rows: int = DRAFT_ROWS) -> list[SeqEngine]:
+def batch_slots(owner: Engine, n: int, n_threads: int = 0, draft_rows: int | None = None) -> list[SeqEngine]:
     """n server slots over one batched context on owner's model: a sequence each, of owner's
     n_ctx cells, its n_batch, n_threads threads (0: owner's), owner's -md for draft-simple.
     requires: owner in exact mode, no hidden-row spec types, not a recurrent model (batchable)."""

@@ -32,6 +32,7 @@ wasted and k drops; on text that n-grams do not predict the drafter is silent.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
@@ -295,6 +296,39 @@ def best_length(a: float | Sequence[float], cost: PassCost, cap: int, k_min: int
     return best_k
 
 
+def share_rows(rates: Sequence[Sequence[float]], lengths: Sequence[int], k_min: Sequence[int], cost: PassCost,
+               base_rows: int) -> list[int]:
+    """Draft lengths for sequences that share one target pass (a batched step): k_i in
+    [min(k_min[i], lengths[i]), lengths[i]] with the most expected tokens per second of the pass,
+    (n + sum_i (E_i(k_i) - 1)) / t(base_rows + sum_i k_i), n = len(lengths); rates[i]: sequence
+    i's per-position acceptance (at least lengths[i] long). Each sequence's next token adds
+    a_i1..a_ik (its chance to be reached and accepted), which only falls with k, so for any number
+    of rows the best drafts take the rows of the largest such terms: rows are added in that order,
+    and the count with the best ratio is kept. A large batch's one-token rows already fill the
+    matrix units, so its extra rows cost more than they are likely to return: no drafts at all."""
+    n = len(lengths)
+    k = [min(m, ln) for m, ln in zip(k_min, lengths, strict=True)]
+    p = [float(np.prod(rates[i][:k[i]])) for i in range(n)]
+    e = n + sum(sum(float(np.prod(rates[i][:j + 1])) for j in range(k[i])) for i in range(n))
+    rows = base_rows + sum(k)
+    heap = [(-p[i] * rates[i][k[i]], i) for i in range(n) if k[i] < lengths[i]]
+    heapq.heapify(heap)
+    best, n_best, order = e / cost.at(rows), 0, []
+    while heap:
+        m, i = heapq.heappop(heap)
+        e, rows = e - m, rows + 1
+        p[i], k[i] = -m, k[i] + 1
+        order.append(i)
+        if e / cost.at(rows) > best * (1 + 1e-9):
+            best, n_best = e / cost.at(rows), len(order)
+        if k[i] < lengths[i] and p[i] > 0:
+            heapq.heappush(heap, (-p[i] * rates[i][k[i]], i))
+    out = [min(m, ln) for m, ln in zip(k_min, lengths, strict=True)]
+    for i in order[:n_best]:
+        out[i] += 1
+    return out
+
+
 @dataclass(slots=True)
 class DraftLength:
     """One drafter's draft length through a generation: its cap, or (adaptive) the best_length at
@@ -342,16 +376,27 @@ class DraftLength:
     def take(self, proposal: np.ndarray, pos: int, limit: int, cost: PassCost) -> np.ndarray:
         """The tokens to verify at positions pos.. (int32 [k], k <= limit; 0: held back), from a
         free drafter's proposal (int32, may be empty), which becomes the pending proposal if none is.
-        The pending one, right so far for its first j tokens, offers the rest of its copy, judged by
-        the rates from position j on (a copy that started right tends to stay right); a proposal
-        that continues it is the same copy; one that does not is judged by the rates from the start.
-        A new pending proposal that starts where the last one was right to its end is judged from
-        a copy's second token (the text is still copying). The cut with the most expected tokens
-        per second of them all is drafted."""
+        Of candidates(), the cut with the most expected tokens per second is drafted."""
+        best, out = -1.0, proposal[:0]
+        for a, toks in self.candidates(proposal, pos):
+            k = best_length(a, cost, min(len(toks), limit, self.cap), 0)
+            v = expected_tokens(a, k) / cost.at(k + 1)
+            if v > best:
+                best, out = v, toks[:k]
+        return out
+
+    def candidates(self, proposal: np.ndarray, pos: int) -> list[tuple[list[float], np.ndarray]]:
+        """What a free drafter may draft at positions pos..: (per-position rates, int32 [k] tokens)
+        pairs. The proposal becomes the pending one if none is. The pending one, right so far for
+        its first j tokens, offers the rest of its copy, judged by the rates from position j on (a
+        copy that started right tends to stay right); a proposal that continues it is the same copy;
+        one that does not is judged by the rates from the start. A new pending proposal that starts
+        where the last one was right to its end is judged from a copy's second token (the text is
+        still copying). None while nothing is pending."""
         if self.shadow is None and len(proposal):
             self.shadow, self.at = (pos, proposal), int(pos == self.run_end)
         if self.shadow is None:
-            return proposal[:0]
+            return []
         p0, pend = self.shadow
         j = pos - p0
         cands = [(self.at if j == 0 else 0, proposal)]
@@ -362,14 +407,7 @@ class DraftLength:
                 cands = [(self.at + j, proposal if len(proposal) >= len(rest) else rest)]
             else:
                 cands.append((self.at + j, rest))
-        best, out = -1.0, proposal[:0]
-        for off, toks in cands:
-            a = self.acc.rates(self.cap + off)[off:]
-            k = best_length(a, cost, min(len(toks), limit, self.cap), 0)
-            v = expected_tokens(a, k) / cost.at(k + 1)
-            if v > best:
-                best, out = v, toks[:k]
-        return out
+        return [(self.acc.rates(self.cap + off)[off:], toks) for off, toks in cands]
 
     def score(self, ctx_tokens: Sequence[int], cost: PassCost) -> None:
         """Score the pending proposal once the emitted text ctx_tokens decides it (a mismatch, or

@@ -14,6 +14,7 @@ from specrun.kernels.draftlen import (
     curve_rows,
     expected_tokens,
     score_shadow,
+    share_rows,
 )
 
 
@@ -275,6 +276,46 @@ def test_a_proposal_that_goes_on_from_a_copy_right_to_its_end_is_judged_as_its_c
     assert dl.acc.reached[0] == pytest.approx(reached[0] * DECAY)   # scored from token 2 on
     assert dl.acc.reached[1] == pytest.approx(reached[1] * DECAY + 1) and dl.run_end == -1
     assert len(dl.take(nxt, 23, 8, c)) == 0 and dl.at == 0  # a fresh copy again
+
+
+def xeon() -> PassCost:
+    c = PassCost()
+    for r, ms in XEON_SMOLLM2.items():
+        c.record(r, ms / 1e3)
+    return c
+
+
+def test_one_sequence_shares_rows_as_best_length_cuts():
+    """Alone in a step, share_rows picks best_length's draft (its own row is the base row)."""
+    for a in (1.0, 0.9, 0.6, 0.2):
+        rates = [a] * 16
+        assert share_rows([rates], [16], [0], xeon(), 1) == [best_length(rates, xeon(), 16, 0)]
+
+
+def test_rows_go_to_the_likeliest_copies_first():
+    """Two sure copies and an unlikely one: the sure ones get rows, the unlikely one none."""
+    k = share_rows([[1.0] * 8, [1.0] * 8, [0.1] * 8], [8, 8, 8], [0, 0, 0], xeon(), 3)
+    assert k[0] > 0 and k[1] > 0 and k[2] == 0
+
+
+def test_drafts_shrink_as_the_batch_grows_and_stop_at_a_large_one():
+    """Copies right 70 % of the time, on the Xeon's curve: fewer rows each as sequences join, and
+    none once the one-token rows alone cost as much per row as a draft's likely tokens return."""
+    c = xeon()
+    for r in range(18, 65):       # past 17: the slope of the last blocks
+        c.record(r, (77.3 + (r - 17) * 3.9) / 1e3)
+    each = []
+    for n in (1, 2, 4, 8, 16):
+        k = share_rows([[0.7] * 16] * n, [16] * n, [0] * n, c, n)
+        each.append(max(k))
+    assert each == sorted(each, reverse=True) and each[0] > each[-1]
+    assert share_rows([[0.2] * 16] * 16, [16] * 16, [0] * 16, c, 16) == [0] * 16
+
+
+def test_a_model_drafter_keeps_its_least_row():
+    """k_min 1 (a model drafter, which learns only from drafts verified) keeps one row even when
+    its rate says none pays; a proposal shorter than k_min is all it gets."""
+    assert share_rows([[0.0] * 4, [0.0] * 4], [4, 0], [1, 1], xeon(), 2) == [1, 0]
 
 
 # ---- in the engine ---------------------------------------------------------------------------
