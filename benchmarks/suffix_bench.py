@@ -105,16 +105,16 @@ SYSTEMS = (
     System("none", "specrun", ("--spec-type", "none")),
     System("ngram-simple", "specrun", N3M16),
     System("ngram-mod", "specrun", ("--spec-type", "ngram-mod")),
-    System("suffix", "specrun", ("--spec-type", "suffix")),
-    System("suffix-adaptive", "specrun", ("--spec-type", "suffix", "--spec-draft-adaptive")),
+    System("suffix", "specrun", ("--spec-type", "suffix")),                   # adaptive lengths: its default
+    System("suffix-fixed", "specrun", ("--spec-type", "suffix", "--no-spec-draft-adaptive")),
     System("llama-server:ngram-simple", "llama-server", N3M16),
     System("llama-server:ngram-mod", "llama-server", ("--spec-type", "ngram-mod")),
     System("llama-server:none", "llama-server", ("--spec-type", "none")),
     System("auto", "specrun", ("--spec-type", "auto")),
 )
-DEFAULT_SYSTEMS = ("none", "ngram-simple", "ngram-mod", "suffix", "llama-server:ngram-simple",
+DEFAULT_SYSTEMS = ("none", "ngram-simple", "ngram-mod", "suffix", "suffix-fixed", "llama-server:ngram-simple",
                    "llama-server:ngram-mod")
-LABELS = {"ngram-simple": "ngram-simple n3 m16", "suffix-adaptive": "suffix --spec-draft-adaptive",
+LABELS = {"ngram-simple": "ngram-simple n3 m16", "suffix-fixed": "suffix --no-spec-draft-adaptive",
           "llama-server:ngram-simple": "llama-server ngram-simple n3 m16",
           "llama-server:ngram-mod": "llama-server ngram-mod", "llama-server:none": "llama-server none"}
 
@@ -400,7 +400,8 @@ def markdown(data: dict) -> str:
               f"{sum(x > m['max_busy'] for x in during)} of {len(during)} requests above {m['max_busy']:.0%}."
               if during else "")
            + (f" suffix's extra flags: `{m['suffix_args']}`." if m.get("suffix_args") else "")
-           + (f" Not in this build, so not run: {', '.join(m['missing'])}." if m.get("missing") else ""),
+           + (f" Not in this build, so not run: {', '.join(m['missing'])}." if m.get("missing") else "")
+           + (f" Renamed since: {m['renamed']}." if m.get("renamed") else ""),
            "",
            "| model | workload | system | tok/s | × none | × best llama-server | acceptance | = none |",
            "|---|---|---|---|---|---|---|---|"]

@@ -95,6 +95,7 @@ class SpecType:
     md: str | None = None    # what -md must hold for it ("a draft model: add -md DRAFT.gguf ..."); None: no -md
     mtp_heads: bool = False  # reads MTP heads (the model's own, or -md HEADS.gguf)
     hidden: bool = False     # reads the target's rows (its drafter's needs_hidden)
+    adaptive: bool = False   # --spec-draft-adaptive is its default (--no-spec-draft-adaptive: fixed lengths)
     # its longest draft, as llama.cpp's common_speculative_n_max (a model's: --spec-draft-n-max)
     n_max: Callable[[SpecParams], int] = lambda s: s.n_max
     # the settings that make two of its drafters differ (an engine caches one per key)
@@ -134,7 +135,7 @@ SPEC_TYPE_LIST = (
     SpecType("ngram-cache", 4, "ngram_cache.NgramCache", None, "NGRAM", n_max=lambda s: NGRAM_CACHE_N_DRAFT,
              key=lambda s: (s.ngram_cache,), label=lambda s: ""),
     # specrun's own (llama.cpp has none): after llama.cpp's n-grams, before the model drafters
-    SpecType("suffix", 5, "suffix.Suffix", "suffix", "SUFFIX", n_max=lambda s: max(1, s.suffix.max_depth - 1),
+    SpecType("suffix", 5, "suffix.Suffix", "suffix", "SUFFIX", adaptive=True, n_max=lambda s: max(1, s.suffix.max_depth - 1),
              key=lambda s: (s.suffix,),
              label=lambda s: f"max-depth {s.suffix.max_depth} max-spec-factor {s.suffix.max_spec_factor:g} "
                              f"min-token-prob {s.suffix.min_token_prob:g}"),
@@ -163,6 +164,12 @@ def parse_spec_types(text: str) -> tuple[str, ...]:
         if name != "none" and name not in out:
             out.append(name)
     return tuple(sorted(out, key=lambda t: SPEC_TYPE[t].order))
+
+
+def adaptive_default(types: Iterable[str]) -> bool:
+    """Whether drafts are adaptive when neither --spec-draft-adaptive nor its --no- form is given:
+    when a type among them drafts adaptive by default (suffix)."""
+    return any(SPEC_TYPE[t].adaptive for t in types if t in SPEC_TYPE)
 
 
 def check_md(types: Iterable[str], has_md: bool) -> None:

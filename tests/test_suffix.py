@@ -232,6 +232,30 @@ def test_bad_cache_file_flag(tmp_path):
     assert "not a specrun suffix cache" in last and "delete it, or give --spec-suffix-cache another file" in last
 
 
+@pytest.mark.parametrize("types, flag, want", [
+    (("suffix",), None, True), (("suffix",), False, False), (("ngram-simple", "suffix"), None, True),
+    (("ngram-simple",), None, False), (("ngram-simple",), True, True), ((), None, False), (("auto",), None, False),
+])
+def test_suffix_drafts_adaptive_unless_told_not_to(types, flag, want):
+    """--spec-draft-adaptive is suffix's default (fixed lengths draft below none on fresh text);
+    --no-spec-draft-adaptive turns it off; the other types keep fixed lengths."""
+    from specrun.cli.runtime.options import spec_params
+
+    assert spec_params({"spec_type": types, "adaptive": flag}).adaptive is want
+
+
+def test_a_request_that_names_suffix_drafts_adaptive():
+    from types import SimpleNamespace
+
+    from specrun.cli.server.state import ServerState
+
+    state = SimpleNamespace(config=SimpleNamespace(spec=SpecParams(types=("ngram-simple",)),
+                                                   spec_types=("none", "ngram-simple", "suffix")))
+    spec = ServerState.spec.__get__(state)
+    assert spec(SimpleNamespace(type="suffix", n_max=None, n_min=None, p_min=None)).adaptive
+    assert not spec(SimpleNamespace(type="ngram-simple", n_max=None, n_min=None, p_min=None)).adaptive
+
+
 def test_export(smollm_path):
     run = CliRunner().invoke
     r = run(cli, ["export", "--to", "vllm", "-m", str(smollm_path), "--spec-type", "suffix",

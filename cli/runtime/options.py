@@ -37,6 +37,7 @@ from specrun.kernels.params import (
     NgramModParams,
     SpecParams,
     SuffixParams,
+    adaptive_default,
     parse_spec_types,
     spelled,
 )
@@ -336,10 +337,10 @@ def spec_options(f):
     @click.option("--spec-auto-refresh", "auto_refresh", is_flag=True,
                   help="--spec-type auto: measure this machine's costs again (they are cached per model file, "
                        "machine, threads and settings) and overwrite the cached ones")
-    @click.option("--spec-draft-adaptive", "adaptive", is_flag=True,
+    @click.option("--spec-draft-adaptive/--no-spec-draft-adaptive", "adaptive", default=None,
                   help="each step's draft length: the one with the most expected tokens per second at the "
                        "drafter's running acceptance and the measured cost of a verify pass, within 1..n-max "
-                       "(size-m for n-grams)")
+                       "(size-m for n-grams)  [default: on for suffix, off for the others]")
     @functools.wraps(f)
     def wrapper(*a, **k):
         return f(*a, **k)
@@ -570,7 +571,13 @@ def spec_params(kw: dict) -> SpecParams:
                       p_min=kw.get("p_min", d.p_min), ngram_size_n=kw.get("ngram_n", d.ngram_size_n),
                       ngram_size_m=kw.get("ngram_m", d.ngram_size_m), ngram_min_hits=kw.get("ngram_hits", d.ngram_min_hits),
                       ngram_match=kw.get("ngram_match"), verify=kw.get("verify", d.verify),
-                      adaptive=kw.get("adaptive", d.adaptive), **ngram_family_params(kw))
+                      adaptive=adaptive_of(kw), **ngram_family_params(kw))
+
+
+def adaptive_of(kw: dict) -> bool:
+    """--spec-draft-adaptive / --no-spec-draft-adaptive as given, else the spec types' default (suffix: on)."""
+    given = kw.get("adaptive")
+    return given if given is not None else adaptive_default(kw.get("spec_type", ()))
 
 
 def unapplied(kw: dict) -> list[str]:

@@ -27,7 +27,7 @@ from specrun.kernels.chat_template import TemplateError
 from specrun.kernels.constrain import check_controls
 from specrun.kernels.grammar import Grammar, GrammarError, schema_to_gbnf
 from specrun.kernels.llama import MAX_EXACT_BATCH
-from specrun.kernels.params import MODEL_TYPES, SpecParams, parse_spec_types
+from specrun.kernels.params import MODEL_TYPES, SpecParams, adaptive_default, parse_spec_types
 from specrun.kernels.rpc import WorkerLost
 from specrun.kernels.types import LLAMA_DEFAULT_SEED, SamplingParams
 
@@ -191,7 +191,8 @@ class ServerState:
                                f"(available: {', '.join(self.config.spec_types)}); the server builds "
                                f"draft-simple only with -md DRAFT.gguf and draft-mtp only when started with "
                                f"--spec-type draft-mtp", "unavailable_spec_type")
-            spec = replace(spec, types=types)
+            # a type that drafts adaptive by default (suffix) does so here too
+            spec = replace(spec, types=types, adaptive=spec.adaptive or adaptive_default(types))
         spec = replace(spec, n_max=spec.n_max if sp.n_max is None else sp.n_max,
                        n_min=spec.n_min if sp.n_min is None else sp.n_min,
                        p_min=spec.p_min if sp.p_min is None else sp.p_min)
