@@ -329,7 +329,8 @@ def table(run: dict) -> list[str]:
            f"greedy, n_predict {m['n_predict']}, cache_prompt false; a phase is {m['requests']} requests "
            f"of the mix below, {m['reps']} rep{'s' * (m['reps'] > 1)} a cell. tok/s: all generated tokens / the phase's wall time "
            "(median over reps); p50 / p95: request latency in seconds, over every request of the cell; `= alone`: "
-           "requests whose text equals the same system's text at 1 client, `none`.", "",
+           "requests whose text equals the same system's text at 1 client, `none`."
+           + (f" Measured again: {m['rerun']}." if m.get("rerun") else ""), "",
            "`-nocb`: specrun serve -nocb, an engine per slot (the -np before the batched decode). "
            "`÷` columns: specrun (batched) over llama-server, and over -nocb.", "",
            "| model | setting | clients | specrun tok/s | p50 | p95 | = alone | -nocb tok/s | p95 | = alone "
