@@ -97,7 +97,7 @@ def _check(hs, reqs, refs, kinds) -> None:
             assert st.n_accepted == 0 and st.n_drafted > 0
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, pytest.param(SEEDED, marks=pytest.mark.full)], ids=["greedy", "seeded"])
 def test_mixed_requests_each_equal_alone(smol, sampling):
     """Four requests of different lengths and spec types in three sequences: the fourth joins when
     the first to finish leaves; each text is the request's alone, with spec none."""
@@ -110,6 +110,7 @@ def test_mixed_requests_each_equal_alone(smol, sampling):
     _check(hs, reqs, refs, kinds)
 
 
+@pytest.mark.full
 def test_draft_model_request_beside_plain_ones(smol, smollm_path):
     """draft-simple with -md (the target's own file: a draft that is always right at temperature 0)
     beside a plain and an n-gram request."""

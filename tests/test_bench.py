@@ -628,6 +628,7 @@ def test_auto_uses_its_cache_on_the_next_run(smollm_path, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_auto_calibration_probes_every_ngram_type(smollm_path):
     """The live calibration probes each n-gram type on the prompt and predicts it from its own
     probe: on a prompt that repeats itself, the short ngram-simple keys and ngram-cache draft."""

@@ -215,6 +215,7 @@ def test_full_context_drops_the_oldest_turns(smollm_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_full_context_keeps_the_turn_a_follow_up_refers_to(smollm_path):
     """Older turns go to leave -n for the answer; the turn just before the new message stays while
     at least min(-n, ctx / 16) tokens are left, and the drop is reported before the answer begins."""

@@ -332,6 +332,7 @@ class FixedCost(PassCost):
 
 
 @pytest.mark.slow
+@pytest.mark.full     # make test keeps the held-back n-gram test below
 def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(smollm_path):
     from pathlib import Path
 
@@ -373,7 +374,6 @@ def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(s
 
 
 @pytest.mark.slow
-@pytest.mark.full          # the adaptive length keeps the check above in `make test`
 def test_adaptive_ngram_drafter_is_held_back_when_wrong_and_output_unchanged(smollm_path):
     """An always-wrong n-gram drafter (free proposals): after a few wrong drafts a plain step pays
     more, so it stops drafting; its shadow drafts keep being scored, never verified."""

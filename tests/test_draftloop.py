@@ -46,7 +46,7 @@ def test_the_c_loop_is_built():
     assert llama._draftloop is not None
 
 
-@pytest.mark.parametrize("kind", ["draft-mtp", "draft-eagle3", "draft-simple"])
+@pytest.mark.parametrize("kind", ["draft-mtp", "draft-eagle3", pytest.param("draft-simple", marks=pytest.mark.full)])
 def test_c_loop_drafts_what_the_python_loop_drafts(engines, kind, monkeypatch):
     path, params = engines[kind]
     sp = SpecParams(types=(kind,), n_max=6, verify="match")

@@ -157,9 +157,8 @@ def test_suffix_equals_plain(target, prompt, temp):
 
 
 # make test: Gemma (sliding-window layers; one draft model loaded), both prompts, both temperatures,
-# n-max 3 and 15, in four cells
-SELF_CELLS = {("gemma", 15, "long", 0.0), ("gemma", 3, "long", 0.8), ("gemma", 3, "short", 0.0),
-              ("gemma", 15, "short", 0.8)}
+# n-max 3 and 15, in three cells
+SELF_CELLS = {("gemma", 15, "long", 0.0), ("gemma", 3, "short", 0.0), ("gemma", 15, "short", 0.8)}
 
 
 @pytest.mark.parametrize("target, n_max, prompt, temp",

@@ -607,6 +607,7 @@ CLI_PROMPT = "Copy this file verbatim.\n\n" + _CODE[:500] + "\n\nCopy:\n\n" + _C
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_cli_ngram_map_k_prints_the_text_of_none(smollm_path):
     args = ["-m", str(smollm_path), "-p", CLI_PROMPT, "-n", "32", "--temp", "0", "-c", "1024", "-no-cnv"]
     none = CliRunner().invoke(cli, [*args, "--spec-type", "none"])

@@ -169,6 +169,7 @@ def engines(request, gemma_path, smollm_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_fast_path_is_used_and_opt_out_is_the_exact_path(engines):
     fast, slow, P = engines
     fast.reset()
@@ -313,6 +314,7 @@ def test_a_twin_that_does_not_load_keeps_the_exact_weights(engines, monkeypatch,
 
 
 @pytest.mark.slow
+@pytest.mark.full     # make test: test_engine.py's cancel between chunks
 def test_cancel_between_blocks_then_retry(engines):
     fast, _, P = engines
     prompt = P["block_and_more"]

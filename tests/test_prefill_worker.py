@@ -127,7 +127,8 @@ def test_result_depends_on_the_tokens_only(engine):
     assert e.fast.pid == pid                                           # one worker for the engine's life
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, pytest.param(SEEDED, marks=pytest.mark.full)], ids=["greedy", "seeded"])
+@pytest.mark.full     # make test: the same hand-over in-process (test_prefill.py)
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_spec_equals_none_through_the_worker(engine, sampling):
     """Both branches: the target as its own draft (always right at temp 0 on this prompt, whose
     top tokens the worker's tiled kernels do not change) and n-grams from the prompt's text."""
@@ -150,6 +151,7 @@ def test_spec_equals_none_through_the_worker(engine, sampling):
         assert st.drafters[0].n_acc_tokens == st.drafters[0].n_gen_tokens > 0
 
 
+@pytest.mark.full
 def test_cancel_then_retry(engine, refs):
     """The parent asks cancel() every POLL_S while the worker evaluates: the first ask comes long
     before a 256-token block is done."""
@@ -207,6 +209,7 @@ def test_close_ends_the_worker(gemma, engine):
     assert e.fast is None or e.fast.proc is None
 
 
+@pytest.mark.full
 def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine, refs):
     """Ctrl-C while the worker evaluates (here raised from cancel(), which the parent polls): its
     answer may still come, so that worker is ended and the next prompt starts another, whose
@@ -228,6 +231,7 @@ def test_an_interrupt_mid_prompt_starts_another_worker(gemma, engine, refs):
         assert _run(e, prompt)[:2] == ref and e.fast.pid not in (None, pid)
 
 
+@pytest.mark.full
 def test_server_slots_share_one_worker_started_at_load(gemma_path, engine, refs):
     """-np 2: the slots share one worker (one repacked copy of the weights), which a server starts
     with the model; each slot's results are those of an engine of its own, also when both slots

@@ -607,6 +607,7 @@ def load_expected(server) -> dict[int, str]:
     return expected
 
 
+@pytest.mark.full
 def test_load_8_clients_40_requests(server, load_expected):
     rss0 = server.rss_kib()
     before = server.metrics()

@@ -66,6 +66,7 @@ def faults(servers):
 # ---- a responsive event loop, bounded bodies -------------------------------------------------------
 
 
+@pytest.mark.full     # make test: tests/test_server_loop.py
 def test_health_answers_while_a_5mb_prompt_is_tokenized(faults):
     """Tokenizing 5 MB takes seconds; it runs in a worker thread, so /health keeps answering meanwhile.
     /metrics' requests_preparing says when the server is tokenizing: only /health round trips with
@@ -170,6 +171,7 @@ def test_disconnect_mid_stream_frees_the_slot(faults):
     assert faults.completion("The capital of France is", 4)["tokens_predicted"] >= 1
 
 
+@pytest.mark.full
 def test_client_leaving_during_the_prompt_stops_it_at_a_chunk_boundary(faults):
     """A client leaves while its 1100-token prompt is being evaluated: the engine stops at the end of
     the chunk in progress, before any token; the chunks evaluated stay in the slot's cache, so the
@@ -272,6 +274,7 @@ def test_sigterm_drains_in_flight_and_refuses_the_rest(tmp_path):
                              "refused": 1}
 
 
+@pytest.mark.full
 def test_sigterm_stops_long_prompts_after_the_drain_timeout(tmp_path):
     """Two long prompts being evaluated and one queued request: SIGTERM with --drain-timeout 1. The
     queued one gets 503 at once; after the drain the prompts are stopped at their chunk in progress

@@ -162,6 +162,42 @@ def test_large_answers_are_made_and_encoded_off_the_loop(server, monkeypatch):
     assert server.thread not in {t for _, t in seen}
 
 
+@pytest.mark.parametrize("value", [
+    {}, [], "h\u00e9\n\"x\"", {"a": [1, 2.5, None, True], "b": {"c": [[7, False]] * 40}},
+    {"choices": [{"text": "x", "logprobs": {"content": [{"id": i, "logprob": -0.5} for i in range(30)]}}]},
+    [[1, 2]] * 70, {1: "an int key"}, ("a", "b")])
+def test_json_value_writes_jsonresponses_bytes(monkeypatch, value):
+    """Any answer, in parts (JSON_STEP 7: the 40 pairs go in 6 calls), has JSONResponse's bytes."""
+    from fastapi.responses import JSONResponse
+
+    from specrun.cli.server import bulk
+
+    monkeypatch.setattr(bulk, "JSON_STEP", 7)
+    parts = bulk.json_value(value)
+    assert b"".join(parts) == JSONResponse(value).body
+    if isinstance(value, dict) and "b" in value:
+        assert len(parts) > 6
+
+
+def test_a_completion_answer_is_encoded_in_parts_off_the_loop(server, monkeypatch):
+    """A /completion answer (its generation_settings echo every logit_bias pair) is encoded in a
+    worker, in parts, with JSONResponse's bytes."""
+    from fastapi.responses import JSONResponse
+
+    from specrun.cli.server import bulk
+
+    seen: list[threading.Thread] = []
+    real = bulk.json_value
+    monkeypatch.setattr(bulk, "json_value", lambda v: (seen.append(threading.current_thread()), real(v))[1])
+    monkeypatch.setattr(bulk, "JSON_STEP", 7)
+    bias = [[t, -1.0] for t in range(100, 140)]
+    r = post(server, "/completion", {"prompt": "Hello", "n_predict": 2, "logit_bias": bias})
+    assert r.status_code == 200, r.text
+    assert r.json()["generation_settings"]["logit_bias"] == bias
+    assert r.content == JSONResponse(r.json()).body
+    assert seen and server.thread not in seen
+
+
 def test_the_loaded_server_is_frozen_for_the_garbage_collector(server):
     import gc
 

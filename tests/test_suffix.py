@@ -345,7 +345,8 @@ def test_equals_plain_where_it_drafts_a_lot_and_where_every_draft_is_wrong(engin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temp", [0.0, pytest.param(0.8, marks=pytest.mark.full)])
+@pytest.mark.full     # make test: test_exactness.py's suffix cells run each prompt twice
+@pytest.mark.parametrize("temp", [0.0, 0.8])
 def test_repeated_request_drafts_from_the_global_tree(engine, smollm_path, temp):
     """The same free-text request twice: the first drafts from its own text only, the second copies
     the first's output from the global tree (another engine over the same file: another slot).

@@ -11,11 +11,13 @@ from __future__ import annotations
 import codecs
 import json
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from starlette.responses import Response
 
 STEP = 1 << 15   # items per C call
+JSON_STEP = 1 << 12   # items of a long list per json.dumps call (json_value: its items may be lists)
 TEXT_STEP = 1 << 18   # characters of a long text per C call
 
 
@@ -65,6 +67,34 @@ def json_string(s: str) -> list[bytes]:
     """json.dumps(s, ensure_ascii=False) in UTF-8 (JSONResponse's bytes), in parts."""
     return [b'"', *(json.dumps(s[i:i + TEXT_STEP], ensure_ascii=False)[1:-1].encode()
                     for i in range(0, len(s), TEXT_STEP)), b'"']
+
+
+def _dumps(v: Any) -> bytes:
+    """JSONResponse's bytes for v."""
+    return json.dumps(v, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def json_value(v: Any) -> list[bytes]:
+    """JSONResponse's bytes for v (plain JSON values), in parts: each value of a dict, each item of
+    a short list of containers (choices), and a long list JSON_STEP items at a time are encoded
+    by a call of their own, so that no one call holds the GIL over a huge answer (a logit_bias
+    of 262,144 pairs echoed in generation_settings)."""
+    if isinstance(v, dict):
+        out = [b"{"]
+        for i, (k, x) in enumerate(v.items()):
+            out += [b"," if i else b"", _dumps(str(k)) + b":", *json_value(x)]
+        return [*out, b"}"]
+    if isinstance(v, list | tuple) and len(v) <= 64 and any(isinstance(x, dict | list | tuple) for x in v):
+        out = [b"["]
+        for i, x in enumerate(v):
+            out += [b"," if i else b"", *json_value(x)]
+        return [*out, b"]"]
+    if isinstance(v, list | tuple) and len(v) > JSON_STEP:
+        out = [b"["]
+        for i in range(0, len(v), JSON_STEP):
+            out += [b"," if i else b"", _dumps(list(v[i:i + JSON_STEP]))[1:-1]]
+        return [*out, b"]"]
+    return [_dumps(v)]
 
 
 class PartsResponse(Response):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -68,11 +69,17 @@ class Ended:
     lost: Exception | None              # an RPC worker lost: its slot threads stay blocked in llama.cpp
 
 
+SWITCH_INTERVAL = 0.0005   # seconds (Python's default: 0.005); see run()
+
+
 def run(options: ServeOptions, sock) -> Ended | None:
     """Serve on sock (bound and listening) until SIGTERM / Ctrl-C. Returns None when the server
     stopped before the model loaded; raises what the loading raised (a bad model, a
     --chat-template that does not render)."""
     url = f"http://{options.host}:{sock.getsockname()[1]}"
+    # The event loop answers between the worker threads' Python steps: a thread that wants the GIL
+    # waits a switch interval for it, and one /health answer needs it several times.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     gate = Gate()
     server = make_server(options, gate)
     loader = Loader(options, url, gate, server)

@@ -20,7 +20,7 @@ from typing import TypeVar
 import anyio
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.chat_template import TemplateError
@@ -332,11 +332,11 @@ class ServerState:
         finally:
             self.metrics.preparing(-1)
 
-    async def respond(self, fn: Callable[[], dict]) -> JSONResponse:
-        """The JSON answer fn() makes, made and rendered off the event loop (FastAPI's encoder takes
-        long over a large one: logprobs, a logit_bias of thousands echoed in the settings). The
-        bytes are FastAPI's: JSONResponse of plain JSON values."""
-        return await self.off_loop(lambda: JSONResponse(fn()))
+    async def respond(self, fn: Callable[[], dict]) -> Response:
+        """The JSON answer fn() makes, made and encoded off the event loop and in parts (bulk.json_value:
+        a logit_bias of thousands echoed in the settings, long logprobs). The bytes are
+        JSONResponse's for the same plain JSON values."""
+        return await self.off_loop(lambda: bulk.PartsResponse(bulk.json_value(fn())))
 
     # -- running -----------------------------------------------------------------------------
     async def start(self, job: Job, client: Client) -> Run:
