@@ -457,15 +457,8 @@ class BatchEngine:
         if room <= 0 or not s.drafters:
             return [], Draft.empty(), 0
         ctx = np.asarray(s.text, dtype=np.int32)
-        for i, (d, dl) in enumerate(zip(s.drafters, s.lens, strict=True)):
-            cap = min(room, dl.cap if dl.k_min == 0 else max(1, dl.n))
-            t = time.perf_counter()
-            draft = d.propose(ctx, cap)
-            st = s.h.stats.drafters[i]
-            st.n_call_draft += 1
-            st.t_draft_s += time.perf_counter() - t
-            if len(draft) > cap:
-                raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
+        for i, dl in enumerate(s.lens):
+            draft = self._ask(s, i, ctx, min(room, dl.cap if dl.k_min == 0 else max(1, dl.n)))
             if not len(draft) or len(draft) < s.spec.n_min:
                 continue
             s.which = i
@@ -508,18 +501,23 @@ class BatchEngine:
             return Draft.empty()
         ctx = np.asarray(s.text, dtype=np.int32)
         for i, d in enumerate(s.drafters):
-            cap = min(k_cap, draft_n_max(d.spec_type, s.spec))
-            t = time.perf_counter()
-            draft = d.propose(ctx, cap)
-            st = s.h.stats.drafters[i]
-            st.n_call_draft += 1
-            st.t_draft_s += time.perf_counter() - t
-            if len(draft) > cap:
-                raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
+            draft = self._ask(s, i, ctx, min(k_cap, draft_n_max(d.spec_type, s.spec)))
             if len(draft) and len(draft) >= s.spec.n_min:
                 s.which = i
                 return draft
         return Draft.empty()
+
+    def _ask(self, s: _Seq, i: int, ctx: np.ndarray, cap: int) -> Draft:
+        """Drafter i of sequence s's proposal of at most cap tokens after ctx, timed in its stats."""
+        d = s.drafters[i]
+        t = time.perf_counter()
+        draft = d.propose(ctx, cap)
+        st = s.h.stats.drafters[i]
+        st.n_call_draft += 1
+        st.t_draft_s += time.perf_counter() - t
+        if len(draft) > cap:
+            raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
+        return draft
 
     def _prompt_chunk(self, s: _Seq, chunk: list[int], lo: int, out: list) -> None:
         last = lo + len(chunk) == len(s.prompt)
