@@ -16,7 +16,8 @@ count: one warm-up of c requests at once (8 tokens), then --reps phases on each 
 first alternating rep by rep, so the machine's drift in speed meets both systems alike.
 
 Threads: llama-server gets -t THREADS; specrun gets LLAMA_ARG_THREADS=THREADS and no -t, its own
-default for the whole server (today's -np divides those cores between its slots). Settings:
+default for the whole server (-cb: the batched context has them all; -nocb divides them between the
+slots). Settings:
 `none`, and `ngram`, each system's best n-gram setting in benchmarks/results/peers.md: ngram-simple
 size-n 3, size-m 16, n-max 16, the same flags to both (peers.py's `ngram-simple n3 m16`).
 
