@@ -50,7 +50,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from .constrain import Constraints, VerifyPass
 from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
-from .draftlen import DraftLength, PassCost, curve_rows, expected_tokens, share_rows
+from .draftlen import DraftLength, PassCost, curve_of, curve_rows, expected_tokens, share_rows
 from .engine import Engine, Generation, resolve_seed, verify_mode
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import NGRAM_TYPES, EngineParams, SpecParams
@@ -464,12 +464,9 @@ class BatchEngine:
             s.which = i
             if dl.k_min:                     # a model drafter: its draft as made
                 return dl.acc.rates(len(draft)), draft, 1
-            best = max(dl.candidates(draft.tokens, len(ctx)), default=None,
-                       key=lambda c: expected_tokens(c[0], min(len(c[1]), room)))
-            if best is None:
-                return [], Draft.empty(), 0
-            toks = best[1][:room]
-            return best[0], Draft(toks), 0
+            # the proposal is pending now (or continues the pending one): at least one candidate
+            a, toks = max(dl.candidates(draft.tokens, len(ctx)), key=lambda c: expected_tokens(c[0], min(len(c[1]), room)))
+            return a, Draft(toks[:room]), 0
         return [], Draft.empty(), 0
 
     def _probe(self, gen: list[_Seq]) -> None:
@@ -481,19 +478,15 @@ class BatchEngine:
         self.probed = True
         n = len(s.kv)
         fill = np.resize(np.asarray(s.kv or [self.model.bos], dtype=np.int32), PROBE_ROWS).tolist()
-        times: dict[int, float] = {}
+        times: dict[int, list[float]] = {r: [] for r in curve_rows(PROBE_ROWS)}
         for _ in range(2):
-            for r in curve_rows(PROBE_ROWS):
+            for r, ts in times.items():
                 t = time.perf_counter()
                 self.ctx.decode_seqs(fill[:r], range(n, n + r), [s.sid] * r, [True] * r)
-                dt = time.perf_counter() - t
+                ts.append(time.perf_counter() - t)
                 if not self.ctx.seq_rm_of(s.sid, n, -1):
                     raise LlamaError(f"could not remove {r} probing rows of sequence {s.sid} at {n}")
-                times[r] = min(times.get(r, dt), dt)
-        top = 0.0
-        for r in sorted(times):                   # noise must not make more rows look cheaper
-            top = max(top, times[r])
-            self.pass_cost.record(r, top)
+        self.pass_cost.add(curve_of(times, n, fastest=True))   # as the Engine's probe
 
     def _propose(self, s: _Seq, k_cap: int) -> Draft:
         """The first non-empty proposal of the sequence's drafters (llama.cpp's order), at most k_cap."""

@@ -307,7 +307,8 @@ def share_rows(rates: Sequence[Sequence[float]], lengths: Sequence[int], k_min: 
     and the count with the best ratio is kept. A large batch's one-token rows already fill the
     matrix units, so its extra rows cost more than they are likely to return: no drafts at all."""
     n = len(lengths)
-    k = [min(m, ln) for m, ln in zip(k_min, lengths, strict=True)]
+    k0 = [min(m, ln) for m, ln in zip(k_min, lengths, strict=True)]
+    k = list(k0)
     p = [float(np.prod(rates[i][:k[i]])) for i in range(n)]
     e = n + sum(sum(float(np.prod(rates[i][:j + 1])) for j in range(k[i])) for i in range(n))
     rows = base_rows + sum(k)
@@ -323,7 +324,7 @@ def share_rows(rates: Sequence[Sequence[float]], lengths: Sequence[int], k_min: 
             best, n_best = e / cost.at(rows), len(order)
         if k[i] < lengths[i] and p[i] > 0:
             heapq.heappush(heap, (-p[i] * rates[i][k[i]], i))
-    out = [min(m, ln) for m, ln in zip(k_min, lengths, strict=True)]
+    out = k0
     for i in order[:n_best]:
         out[i] += 1
     return out
