@@ -24,7 +24,10 @@ prompt chunk of 64+ rows is still decoded on its own, as the Engine decodes it, 
 row (verify rows: at most 63 a sequence) goes in the shared decode.
 
 Prompts are evaluated here, in chunks of n_ubatch from the first position not reused, as the
-Engine's exact path does (EngineParams.fast_prefill False). The logit controls (penalties, logit
+Engine's exact path does. With BatchParams.fast_prefill, a prompt of MIN_PROMPT tokens or more goes
+through the fast prompt context instead (kernels/prefill.py), as the Engine's does, and its state is
+loaded into the sequence's stream: its text then equals the Engine's with the fast prompt path. Its
+KV is never copied to another sequence, nor reused by a short prompt (the Engine's rule). The logit controls (penalties, logit
 bias, --ignore-eos, a grammar) transform each sequence's rows with kernels/constrain.py, as the
 Engine does, and logprobs come from the raw rows. Hidden-row drafters (draft-mtp, draft-eagle3)
 are not served here yet.
@@ -54,6 +57,8 @@ from .draftlen import DraftLength, PassCost, curve_of, curve_rows, expected_toke
 from .engine import Engine, Generation, resolve_seed, verify_mode
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import NGRAM_TYPES, EngineParams, SpecParams
+from .prefill import FastPrefill, fast_len
+from .prefill_worker import PrefillHandle, PrefillWorker, uses_worker
 from .sampling import sample
 from .stats import DrafterStats, GenStats
 from .types import (
@@ -95,6 +100,7 @@ class BatchParams:
     draft_rows: int | None = None
     draft_model: str | None = None   # -md for draft-simple
     share_min: int = SHARE_MIN
+    fast_prefill: bool = False  # prompts of MIN_PROMPT+ tokens through the fast prompt context (as the Engine's)
 
 
 @dataclass(slots=True)
@@ -154,6 +160,9 @@ class _Seq:
         self.prompt = np.zeros(0, dtype=np.int32)
         self.text: list[int] = []          # prompt + emitted tokens (ends with id_last once generating)
         self.wait: tuple[int, int] | None = None   # (source seq, tokens) to copy before evaluating
+        self.fast_n = 0                    # the prompt its KV holds (or will) from the fast context; 0: none
+        self.fast_logits: np.ndarray | None = None   # float32 [n_vocab]: that prompt's last logits
+        self.fast_keep = -1                # the fast prompt is pending; its drafters follow from here (-1: none)
         self.which = -1                    # the drafter whose proposal the last draft was
         self.cons: Constraints | None = None       # the request's logit controls
         self.sampling = SamplingParams()
@@ -166,6 +175,11 @@ class _Seq:
     def prefilling(self) -> bool:
         return len(self.kv) < len(self.prompt)
 
+    @property
+    def ready(self) -> bool:
+        """Its rows may go in this step: no prefix to copy first, no fast prompt pending."""
+        return self.h is not None and self.wait is None and self.fast_keep < 0
+
     def planned(self) -> list[int]:
         """What the KV will hold: its request's prompt and text, or (idle) what it holds."""
         return self.text if self.h is not None else self.kv
@@ -175,24 +189,34 @@ class BatchEngine:
     """A target model and one context of params.n_seq sequences; requests in, tokens out.
 
     submit() is thread-safe; step() and close() belong to one thread. Each request's text is the
-    same request's alone (Engine, exact mode, no fast prompt path) at temperature 0 and, seeded,
-    under sample-and-match verification, whatever else is in the batch."""
+    same request's alone (Engine, exact mode; the fast prompt path with params.fast_prefill, else
+    none) at temperature 0 and, seeded, under sample-and-match verification, whatever else is in
+    the batch.
 
-    def __init__(self, model_path: str, params: BatchParams = BatchParams(), *, model: Model | None = None) -> None:
+    prefill: the fast prompt context to use (another engine's prompt worker: SharedPrefill.handle());
+    None with params.fast_prefill: one of its own (a worker where uses_worker says so)."""
+
+    def __init__(self, model_path: str, params: BatchParams = BatchParams(), *, model: Model | None = None,
+                 prefill: PrefillHandle | None = None) -> None:
         self.params = params
         self._own_model = model is None
         self.model = model if model is not None else Model(model_path, exact=True)
         self.ctx: Context | None = None
+        self.prefill: FastPrefill | PrefillWorker | PrefillHandle | None = prefill
         try:
             self.ctx = Context(self.model, ContextParams(
                 n_ctx=params.n_ctx_seq * params.n_seq, n_batch=params.n_batch, n_ubatch=params.n_ubatch,
                 n_threads=params.n_threads, n_seq_max=params.n_seq, kv_unified=False))
+            self.n_ctx_seq = self.ctx.n_ctx // params.n_seq   # llama.cpp rounds n_ctx up (to 256)
+            if params.fast_prefill and prefill is None and not self.model.recurrent:
+                self.prefill = (PrefillWorker if uses_worker(self.model) else FastPrefill)(
+                    self.model, self.n_ctx_seq, params.n_threads, self.ctx.kv_rot, self.ctx.k_type)
         except BaseException:
             self.close()
             raise
-        self.n_ctx_seq = self.ctx.n_ctx // params.n_seq   # llama.cpp rounds n_ctx up (to 256)
         self.n_max_cap = min(MAX_EXACT_BATCH - 1, self.ctx.n_batch - 1)
-        self.target = TargetView(self.model, self.ctx, self.n_ctx_seq, self.ctx.n_batch, params.n_threads, True)
+        self.target = TargetView(self.model, self.ctx, self.n_ctx_seq, self.ctx.n_batch, params.n_threads, True,
+                                 self.prefill is not None)
         self.seqs = [_Seq(i) for i in range(params.n_seq)]
         self.pass_cost = PassCost()     # t(rows) of the shared decodes (share_rows), probed once
         self.probed = False
@@ -212,6 +236,9 @@ class BatchEngine:
             for d in s.drafter_cache.values():
                 d.close()
             s.drafter_cache = {}
+        if self.__dict__.get("prefill") is not None:
+            self.prefill.close()
+            self.prefill = None
         if self.__dict__.get("ctx") is not None:
             self.ctx.close()
             self.ctx = None
@@ -301,15 +328,29 @@ class BatchEngine:
                 out.append((h, []))
                 self._finish(s, "n_predict")
                 continue
+            n = len(prompt)
             s.prompt, s.text = prompt, prompt.tolist()
-            keep = 0 if req.fresh else min(common_prefix(s.kv, prompt), len(prompt) - 1)
+            fast = self.prefill is not None and fast_len(n) > 0
+            held = 0 if req.fresh else common_prefix(s.kv, prompt)
+            keep = min(held, n - 1)
+            if s.fast_n and not fast:
+                keep = 0                 # the fast context's positions: not what a fresh evaluation computes
             opts = DraftOptions(s.spec.p_min, s.sampling if s.spec.verify in ("auto", "rejection")
                                 and not s.sampling.greedy else None)
             for d in s.drafters:
                 keep = min(keep, d.begin(prompt, keep, opts))
+            if fast:    # this very prompt loaded before (its last logits kept), or a hand-over (_fast_prompt)
+                reuse = s.fast_n == n == held and s.fast_logits is not None
+                self._trim(s, n if reuse else 0)
+                if not reuse:
+                    s.fast_n, s.fast_logits = n, None
+                s.fast_keep, s.wait = keep, None
+                h.stats.n_prompt = 0 if reuse else n
+                continue
+            s.fast_n, s.fast_logits = 0, None
             src, best = None, keep
             for o in self.seqs if not req.fresh else ():
-                if o is not s:
+                if o is not s and not o.fast_n:
                     c = min(common_prefix(o.planned(), prompt), len(prompt) - 1)
                     if c > best and c >= self.params.share_min:
                         src, best = o, c
@@ -331,7 +372,9 @@ class BatchEngine:
                 continue
             src, n = self.seqs[s.wait[0]], s.wait[1]
             have = common_prefix(src.kv, s.prompt)
-            if have >= n:
+            if src.fast_n:
+                s.wait = None        # it took a fast prompt since: evaluate it here
+            elif have >= n:
                 self.ctx.seq_cp(src.sid, s.sid)
                 if not self.ctx.seq_rm_of(s.sid, n, -1):
                     raise LlamaError(f"could not trim sequence {s.sid}'s copied prefix to {n} tokens")
@@ -349,6 +392,7 @@ class BatchEngine:
         (possibly none: a prompt chunk) with its handle; a handle is done when its request ended
         in this step (cancelled requests come back done, with no tokens)."""
         out: list[tuple[Handle, list[int]]] = []
+        self.n_stepped = 0
         for s in self.seqs:
             if s.h is not None and s.h.cancelled:
                 out.append((s.h, []))
@@ -364,9 +408,12 @@ class BatchEngine:
             out.append((h, []))
         self._admit(out)
         self._copy_prefixes()
-        active = [s for s in self.seqs if s.h is not None and s.wait is None]
+        for s in self.seqs:
+            if s.h is not None and s.fast_keep >= 0 and not s.h.cancelled:
+                self._fast_prompt(s, out)
+                self.n_stepped += 1
+        active = [s for s in self.seqs if s.ready]
         gen = [s for s in active if not s.prefilling]
-        self.n_stepped = 0
         # (seq, tokens, pos0, outputs?, draft, its controls' states)
         rows: list[tuple[_Seq, list[int], int, bool, Draft | None, VerifyPass | None]] = []
         n_rows = 0
@@ -529,15 +576,48 @@ class BatchEngine:
         for d in s.drafters:
             d.accept(tp)
         s.kv.extend(chunk)
-        if s.prefilling:
-            return
-        h = s.h
-        n_past = len(s.prompt)
+        if not s.prefilling:
+            self._first_token(s, rows[-1:], out)
+
+    def _first_token(self, s: _Seq, rows: np.ndarray, out: list) -> None:
+        """The prompt is in s's KV; rows: its last token's logits (float32 [1, n_vocab])."""
         last = rows[-1]
-        tok = sample(last if s.cons is None else s.cons.row(last), s.sampling, n_past)
+        tok = sample(last if s.cons is None else s.cons.row(last), s.sampling, len(s.prompt))
         s.t_gen0 = time.perf_counter()
-        h.stats.t_prompt_s = s.t_gen0 - s.t0
-        self._emit(s, [tok], out, rows[-1:])
+        s.h.stats.t_prompt_s = s.t_gen0 - s.t0
+        self._emit(s, [tok], out, rows)
+
+    def _fast_prompt(self, s: _Seq, out: list) -> None:
+        """Sequence s's prompt from the fast prompt context (its state loaded into s's stream), or
+        this very prompt's state held from before; the drafters follow from s.fast_keep; the first
+        token. Blocks the other sequences while the fast context evaluates. Cancelled meanwhile:
+        nothing loaded (the next step ends the request). A model whose state cannot be handed
+        over turns the fast path off for good (one log line), and s evaluates its prompt here."""
+        h, n, keep = s.h, len(s.prompt), s.fast_keep
+        if s.fast_logits is None:
+            try:
+                state = self.prefill.state(s.prompt, lambda: h.cancelled)
+                if state is None:
+                    return
+                self.ctx.state_set(state, s.sid)
+            except SpecrunError as e:
+                log.warning("fast prompt evaluation is off for this model: %s", e)
+                self.prefill.close()
+                self.prefill = None
+                self._trim(s, 0)
+                s.fast_n, s.fast_keep = 0, -1
+                return
+            s.fast_logits = self.prefill.logits
+            st = h.stats
+            st.n_prompt = st.n_prompt_fast = self.prefill.n_evaluated
+            st.fast_kv_mib, st.fast_weights_mib, st.fast_process_mib = (
+                self.prefill.kv_mib, self.prefill.weights_mib, self.prefill.process_mib)
+        s.kv, s.fast_keep = s.prompt.tolist(), -1
+        for lo in range(keep, n, self.params.n_ubatch):   # the drafters follow without target rows
+            chunk = s.prompt[lo:lo + self.params.n_ubatch]
+            for d in s.drafters:
+                d.accept(TargetPass(chunk, lo, len(chunk), None))
+        self._first_token(s, s.fast_logits[None, :], out)
 
     def _verified(self, s: _Seq, draft: Draft, rows: np.ndarray, out: list, vp: VerifyPass | None = None) -> None:
         """Sequence s's verify rows [id_last, d1..dk] came back (float32 [k + 1, n_vocab]): accept,
@@ -608,7 +688,7 @@ class BatchEngine:
         if s.cons is not None:
             s.cons.close()
         s.h, s.wait, s.drafters, s.lens, s.cons = None, None, [], [], None
-        s.text = []
+        s.text, s.fast_keep = [], -1
 
     # -- convenience -----------------------------------------------------------------------
     def run(self, requests: Sequence[Request]) -> list[Handle]:
@@ -636,7 +716,7 @@ class BatchEngine:
                 out.append((s.h, []))
                 self._finish(s, "error")
             self.ctx.seq_rm_of(s.sid, -1, -1)
-            s.kv = []
+            s.kv, s.fast_n, s.fast_logits = [], 0, None
         with self._lock:
             queued = list(self._queue)
             self._queue.clear()
@@ -822,11 +902,17 @@ class SeqEngine:
 def batch_slots(owner: Engine, n: int, n_threads: int = 0, draft_rows: int | None = None) -> list[SeqEngine]:
     """n server slots over one batched context on owner's model: a sequence each, of owner's
     n_ctx cells, its n_batch, n_threads threads (0: owner's), owner's -md for draft-simple.
+    Long prompts take the fast prompt path where owner does: through owner's prompt worker (one
+    for the model), else a fast context of the batch's own over the same repacked weights; the
+    worker starts (or the weights load) now.
     requires: owner in exact mode, no hidden-row spec types, not a recurrent model (batchable)."""
     p = owner.params
+    shared = owner.share_prefill()
     engine = BatchEngine(owner.model.path, BatchParams(
         n_seq=n, n_ctx_seq=owner.n_ctx, n_batch=p.n_batch, n_threads=n_threads or p.n_threads, draft_rows=draft_rows,
-        draft_model=p.draft_model), model=owner.model)
+        draft_model=p.draft_model, fast_prefill=owner.fast is not None), model=owner.model,
+        prefill=shared.handle() if shared is not None else None)
+    owner.start_prefill()
     runner = BatchRunner(engine)
     return [SeqEngine(runner, i, owner) for i in range(n)]
 

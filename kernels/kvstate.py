@@ -160,3 +160,34 @@ def _quantize_k(r: _Reader, rot: tuple[int, int], k_type: str) -> bytes:
             _rows(r, out, n_cells, n_layer, rot[0], k_type)     # K: to Q8_0 (or BF16)
             _rows(r, out, n_cells, n_layer, None)       # V: F16 as it is
     return b"".join(out)
+
+
+def to_streams(blob: bytes, n_stream: int) -> bytes:
+    """A one-sequence state of a one-stream context -> the same state for a context with n_stream
+    streams (kv_unified off, a stream per sequence): llama_state_seq_set_data reads a record per
+    stream and loads the one that is not empty into the destination sequence's stream. Each cache
+    section keeps its one record and gets n_stream - 1 empty ones. Raises KVStateError for any
+    layout but the module docstring's."""
+    if n_stream == 1:
+        return blob
+    r = _Reader(blob)
+    if r.u32() != IO_MAGIC:
+        raise KVStateError("not a llama.cpp sequence state (wrong magic)")
+    r.i32()
+    out: list = [r.b[:8]]
+    empty = np.zeros(n_stream - 1, "<u4").tobytes()
+    while r.i < len(r.b):                               # one section per KV cache (iSWA: two)
+        if (got := r.u32()) != 1:
+            raise KVStateError(f"a state of {got} streams; a one-stream state was expected")
+        start = r.i
+        n_cells = r.u32()
+        if n_cells:
+            r.take(12 * n_cells)                        # cells: pos, n_seq (1), seq_id
+            v_trans, n_layer = r.u32(), r.u32()
+            if v_trans:
+                raise KVStateError("a transposed V cache (flash attention off) cannot be handed over")
+            for _ in range(2 * n_layer):                # K, then V: type, row bytes, rows
+                r.i32()
+                r.take(n_cells * r.u64())
+        out += [np.uint32(n_stream).tobytes(), r.b[start:r.i], empty]
+    return b"".join(out)

@@ -38,6 +38,7 @@ import llama_cpp as L  # noqa: E402  (after the module docstring's contract; imp
 from llama_cpp import llama_cpp_ext as X  # noqa: E402
 
 from . import cpu_probe, rpc, threads  # noqa: E402
+from .kvstate import to_streams  # noqa: E402
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -846,17 +847,22 @@ class Context:
             raise LlamaError(f"llama_state_seq_get_data wrote {got} of {n} bytes")
         return bytes(buf)
 
-    def state_set(self, state: bytes) -> None:
-        """Replace seq 0 with `state` (state_get() of a context of the same model and cache types).
-        The memory is cleared first, so the cells are laid out from the first one in position order,
-        as a fresh evaluation lays them out. On a sliding-window model only the window below the
-        state's last position comes back: never seq_rm such a context below that position."""
-        self.clear()
+    def state_set(self, state: bytes, seq: int = 0) -> None:
+        """Replace sequence seq with `state` (state_get() of a one-sequence context of the same
+        model and cache types; kvstate.to_streams fits it to a context with a stream per sequence). Its cells are dropped first (the whole memory of a one-sequence context; a sequence
+        of a context with a stream per sequence has its stream to itself), so they are laid out from
+        the first one in position order, as a fresh evaluation lays them out. On a sliding-window
+        model only the window below the state's last position comes back: never seq_rm such a
+        sequence below that position."""
+        drop = self.clear if self.params.n_seq_max == 1 else (lambda: self.seq_rm_of(seq, -1, -1))
+        drop()
+        if self.params.n_seq_max > 1 and not self.params.kv_unified:
+            state = to_streams(state, self.params.n_seq_max)
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
         with _Heard() as heard:
-            got = L.llama_state_seq_set_data(self.ptr, buf, len(state), 0)
+            got = L.llama_state_seq_set_data(self.ptr, buf, len(state), seq)
         if got != len(state):
-            self.clear()
+            drop()
             raise LlamaError(f"llama_state_seq_set_data read {got} of {len(state)} bytes "
                              f"(a state from a context of another model or cache type){heard.reason()}")
 

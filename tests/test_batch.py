@@ -17,6 +17,7 @@ from specrun.kernels.batch import BatchEngine, BatchParams, Request, draft_budge
 from specrun.kernels.engine import Engine
 from specrun.kernels.llama import Context, ContextParams, Model
 from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.prefill import MIN_PROMPT
 from specrun.kernels.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -30,6 +31,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps
          ", ".join(map(str, range(1, 41))) + ",",   # 64+ tokens: a prompt chunk decoded on its own
          "Hello"]
 N_PREDICT = [16, 10, 12, 16, 8]
+N_LONG = 24        # tokens after which Gemma's fast and exact prompt paths differ on one long prompt
 
 
 class Refs:
@@ -366,3 +368,37 @@ def test_grid_each_equal_alone(request, which, sampling):
                 _check(hs, reqs, refs, kinds)
         finally:
             refs.engine.close()
+
+
+def test_long_prompts_take_the_fast_path_as_the_engine_does(gemma_path):
+    """With fast_prefill, a prompt of MIN_PROMPT+ tokens goes through the fast prompt context and its
+    state into the sequence's stream: each text equals the Engine's alone with its fast prompt path,
+    which differs from the exact path's on one of these prompts (so the test can tell). A fast prompt
+    loaded before is reused; a short prompt after a long one is evaluated from its start; a short
+    prompt is not copied from a sequence whose KV came from the fast context."""
+    with Model(gemma_path) as model:
+        long1 = model.tokenize(", ".join(map(str, range(1, 200))) + ",")
+        long2 = model.tokenize("The history of the old city, told by its people. " * 30 + "In conclusion,")
+        short = model.tokenize(TEXTS[2])
+        head = long2[:120]
+        assert min(len(long1), len(long2)) >= MIN_PROMPT > len(head)
+        fast, exact = {}, {}
+        for want, fp, names in ((fast, True, ("long1", "long2")), (exact, False, ("long2", "short", "head"))):
+            with Engine(model.path, EngineParams(n_ctx=1024, fast_prefill=fp, spec=SpecParams(types=())),
+                        model=model) as e:
+                for name in names:
+                    p = {"long1": long1, "long2": long2, "short": short, "head": head}[name]
+                    e.reset()
+                    want[name] = [t for c in e.generate(p, N_LONG, GREEDY) for t in c]
+        assert fast["long2"] != exact["long2"]
+        ng = SpecParams(types=("ngram-simple",))
+        with BatchEngine(model.path, BatchParams(n_seq=3, n_ctx_seq=1024, fast_prefill=True), model=model) as b:
+            hs = b.run([Request(long1, N_LONG, GREEDY, ng, seq=0), Request(long2, N_LONG, GREEDY, seq=1),
+                        Request(short, N_LONG, GREEDY, ng, seq=2)])
+            assert [h.tokens for h in hs] == [fast["long1"], fast["long2"], exact["short"]]   # short: one path
+            assert [h.stats.n_prompt_fast for h in hs] == [len(long1), len(long2), 0]
+            hs = b.run([Request(short, N_LONG, GREEDY, seq=0), Request(long2, N_LONG, GREEDY, ng, seq=1),
+                        Request(head, N_LONG, GREEDY, seq=2)])
+            assert [h.tokens for h in hs] == [exact["short"], fast["long2"], exact["head"]]
+            # short: from its start, though BOS was held; head: all but the BOS its sequence held (copied: 1)
+            assert [h.stats.n_prompt for h in hs] == [len(short), 0, len(head) - 1]

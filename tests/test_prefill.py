@@ -19,7 +19,7 @@ import pytest
 from specrun.kernels import kvstate
 from specrun.kernels.drafters import DraftModel
 from specrun.kernels.engine import Engine
-from specrun.kernels.kvstate import KVStateError, hadamard, quantize_k, quantize_q8_0
+from specrun.kernels.kvstate import KVStateError, hadamard, quantize_k, quantize_q8_0, to_streams
 from specrun.kernels.llama import LlamaError, Model
 from specrun.kernels.params import EngineParams, SpecParams
 from specrun.kernels.prefill import BLOCK, MIN_BLOCK, MIN_PROMPT, fast_blocks, fast_len
@@ -122,6 +122,26 @@ def test_quantize_k_rotates_and_requantizes_k_rows_and_copies_v_rows():
 def test_quantize_k_refuses_a_rotated_v_cache():
     with pytest.raises(KVStateError, match="blocks of 64"):
         quantize_k(_blob(2, 64), (64, 64))
+
+
+def test_to_streams_adds_an_empty_record_per_other_stream_in_each_cache():
+    one = _blob(3, 64, n_layer=2)
+    sec = one[8:]                                      # after magic and seq_id: one cache's section
+    iswa = one + sec                                   # an iSWA model's state: two sections
+    out = to_streams(iswa, 3)
+    want_sec = np.uint32(3).tobytes() + sec[4:] + np.zeros(2, "<u4").tobytes()
+    assert out == one[:8] + want_sec + want_sec
+    assert to_streams(one, 1) is one
+
+
+@pytest.mark.parametrize(("blob", "msg"), [(_blob(2, 64, magic=1), "magic"), (_blob(2, 64, v_trans=1), "transposed"),
+                                           (_blob(2, 64)[:-5], "ends at byte")])
+def test_to_streams_refuses_other_layouts(blob, msg):
+    with pytest.raises(KVStateError, match=msg):
+        to_streams(blob, 2)
+    several = to_streams(_blob(2, 64), 2)
+    with pytest.raises(KVStateError, match="a state of 2 streams"):
+        to_streams(several, 4)
 
 
 @pytest.mark.parametrize(("kw", "msg"), [({"magic": 1}, "magic"), ({"typ": 8}, "type 8"),

@@ -123,6 +123,35 @@ def test_concurrent_requests_each_equal_alone_with_spec_none(batched, alone):
     assert len(lp["tokens"]) == len(lp["top_logprobs"]) > 0 and all(len(t) == 2 for t in lp["top_logprobs"])
 
 
+def test_a_long_prompt_takes_the_fast_path_beside_a_short_one(batched, alone):
+    """A prompt of 256+ tokens goes through the fast prompt context, as on the one-slot server,
+    while another slot starts beside it: both answers equal the one-slot server's."""
+    runner = runner_of(batched)
+    fast = runner.engine.prefill
+    assert fast is not None
+    reqs = [("/completion", {"prompt": "Long: " + REPEAT * 4 + "Once more:", "n_predict": 24,
+                             "speculative": {"type": "ngram-simple"}}),
+            ("/completion", {"prompt": "def fib(n):\n", "n_predict": 24})]
+    out: dict[int, dict] = {}
+
+    def go(i: int) -> None:
+        out[i] = post(batched, *reqs[i])
+
+    runner.pause()
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(reqs))]
+    try:
+        for t in threads:
+            t.start()
+        wait_for("both requests queued", lambda: runner.n_queued == len(reqs))
+    finally:
+        runner.resume()
+    for t in threads:
+        t.join(4 * T)
+    assert fast.n_evaluated >= 256 and out[0]["timings"]["prompt_n"] == fast.n_evaluated
+    for i, (path, body) in enumerate(reqs):
+        assert text(out[i]) == text(post(alone, path, plain(body))), (i, body)
+
+
 def test_a_system_prompt_is_copied_between_slots(batched, alone):
     """Two chat requests with one system prompt, let into the same step: the second copies the
     prefix the first evaluates (seq_cp) and evaluates only its own tail; both answers are the
