@@ -22,7 +22,7 @@ import click
 
 from specrun.kernels.chat_template import TemplateError
 from specrun.kernels.engine import Engine
-from specrun.kernels.types import LLAMA_DEFAULT_SEED
+from specrun.kernels.types import LLAMA_DEFAULT_SEED, Stops
 
 from .repl import chat_loop, converse
 from .runtime.auto import resolve_auto
@@ -125,7 +125,8 @@ def complete(options: RunOptions, engine: Engine) -> Callable[[], NoReturn] | No
         with exit_on_interrupt():
             engine.set_spec(resolve_auto(engine, params.spec, prompt_tokens, refresh=options.auto_refresh))
     with SoftInterrupt() as intr:
-        gen = engine.generate(prompt_tokens, options.n_predict, sampling, cancel=lambda: intr.hit > 0)
+        gen = engine.generate(prompt_tokens, options.n_predict, sampling, cancel=lambda: intr.hit > 0,
+                              stops=Stops.of(options.stops))
         if sampling.seed == LLAMA_DEFAULT_SEED and not sampling.greedy and not as_json:
             err_console.print(f"sampler seed: {gen.stats.seed}", style="dim", markup=False)
         run = TextRun(gen, engine.model, stops=options.stops)

@@ -62,13 +62,17 @@ from .prefill_worker import PrefillHandle, PrefillWorker, uses_worker
 from .sampling import sample
 from .stats import DrafterStats, GenStats
 from .types import (
+    NO_STOPS,
     Draft,
     Drafter,
     DraftOptions,
     SamplingParams,
+    Stops,
     TargetPass,
     TokenLogprob,
     common_prefix,
+    draft_end,
+    draft_head,
     token_logprob,
 )
 from .verify import verify
@@ -118,6 +122,7 @@ class Request:
     seq: int = -1                   # only this sequence (a server slot's), once it is free; -1: the best free one
     fresh: bool = False             # evaluate the whole prompt: no KV reused, no prefix copied (cache_prompt false)
     logprobs: int | None = None     # None: off; n: each token's log-probability and its n likeliest alternatives
+    stops: Stops = NO_STOPS         # where the caller ends the text: no draft token past one (draft_end)
 
 
 class Handle:
@@ -496,8 +501,7 @@ class BatchEngine:
             self._probe(gen)
         ks = share_rows([c[0] for c in cands], [len(c[1]) for c in cands], [c[2] for c in cands],
                         self.pass_cost, len(gen))
-        return [Draft.empty() if k == 0 else Draft(d.tokens[:k], None if d.probs is None else d.probs[:k])
-                for (_, d, _), k in zip(cands, ks, strict=True)]
+        return [Draft.empty() if k == 0 else draft_head(d, k) for (_, d, _), k in zip(cands, ks, strict=True)]
 
     def _candidate(self, s: _Seq, room: int) -> tuple[list[float], Draft, int]:
         """(per-position acceptance rates, the draft it may make, its least rows) of sequence s."""
@@ -548,7 +552,8 @@ class BatchEngine:
         return Draft.empty()
 
     def _ask(self, s: _Seq, i: int, ctx: np.ndarray, cap: int) -> Draft:
-        """Drafter i of sequence s's proposal of at most cap tokens after ctx, timed in its stats."""
+        """Drafter i of sequence s's proposal of at most cap tokens after ctx, timed in its stats, cut
+        after the first token where the text ends (draft_end)."""
         d = s.drafters[i]
         t = time.perf_counter()
         draft = d.propose(ctx, cap)
@@ -557,7 +562,7 @@ class BatchEngine:
         st.t_draft_s += time.perf_counter() - t
         if len(draft) > cap:
             raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
-        return draft
+        return draft_head(draft, draft_end(draft.tokens, ctx, s.h.request.stops, self.model.piece, self.model.is_eog))
 
     def _prompt_chunk(self, s: _Seq, chunk: list[int], lo: int, out: list) -> None:
         last = lo + len(chunk) == len(s.prompt)
@@ -882,11 +887,12 @@ class SeqEngine:
 
     def generate(self, prompt: Sequence[int], n_predict: int = -1, sampling: SamplingParams = _SAMPLING_DEFAULT,
                  *, spec: SpecParams | None = None, drafters: Sequence[Drafter] | None = None,
-                 cancel: Callable[[], bool] | None = None, logprobs: int | None = None) -> Generation:
+                 cancel: Callable[[], bool] | None = None, logprobs: int | None = None,
+                 stops: Stops = NO_STOPS) -> Generation:
         """Engine.generate's contract, served by the batch: requires 1 <= len(prompt) < n_ctx;
         a bad request raises SpecrunError here, before any work."""
         req = Request(prompt, n_predict, sampling, spec or self.spec, drafters, cancel, seq=self.sid,
-                      fresh=self._fresh, logprobs=logprobs)
+                      fresh=self._fresh, logprobs=logprobs, stops=stops)
         h = self.runner.submit(req)
         self._fresh = False
         st = GenStats(n_prompt_total=len(prompt), exact=True)

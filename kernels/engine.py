@@ -45,14 +45,18 @@ from .sampling import sample
 from .stats import DrafterStats, GenStats
 from .types import (
     LLAMA_DEFAULT_SEED,
+    NO_STOPS,
     Draft,
     Drafter,
     DraftOptions,
     SamplingParams,
+    Stops,
     TargetPass,
     TokenLogprob,
     Verdict,
     common_prefix,
+    draft_end,
+    draft_head,
     token_logprob,
 )
 from .verify import verify
@@ -290,7 +294,8 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], n_predict: int = -1, sampling: SamplingParams = _SAMPLING_DEFAULT,
                  *, spec: SpecParams | None = None, drafters: Sequence[Drafter] | None = None,
-                 cancel: Callable[[], bool] | None = None, logprobs: int | None = None) -> Generation:
+                 cancel: Callable[[], bool] | None = None, logprobs: int | None = None,
+                 stops: Stops = NO_STOPS) -> Generation:
         """Start generating after prompt: the tokens come by iterating the Generation, until
         end-of-generation, n_predict tokens (-1: no limit) or a full context.
 
@@ -302,6 +307,8 @@ class Engine:
         returns True the generation ends with stop "interrupted" (a long prompt stops mid-way).
         logprobs: None = off; n >= 0: Generation.logprobs gets each emitted token's log-probability
         under the target and its n most likely alternatives (from the rows the verify pass computed).
+        stops: where the caller will end the text (stop strings, stop tokens); no draft token past
+        one is verified (types.draft_end). The caller still stops the generation itself.
         The random draw of the token at absolute position pos comes from the stream (sampling.seed,
         pos): seeded output is reproducible and, under sample-and-match, independent of the spec type.
         The logit controls in sampling (penalties, logit bias, --ignore-eos, a grammar) transform every
@@ -345,11 +352,12 @@ class Engine:
         limit = n_predict if n_predict >= 0 else self.n_ctx
         lp: list[TokenLogprob] | None = None if logprobs is None else []
         return Generation(self._run(prompt, limit, sampling, spec, list(drafters), st, cancel or _never, lp, logprobs,
-                                    cons), st, lp)
+                                    cons, stops), st, lp)
 
     def _run(self, prompt: np.ndarray, limit: int, sampling: SamplingParams, spec: SpecParams,
              drafters: list[Drafter], st: GenStats, cancel: Callable[[], bool],
-             lp: list[TokenLogprob] | None, n_top: int | None, cons: Constraints | None) -> Iterator[list[int]]:
+             lp: list[TokenLogprob] | None, n_top: int | None, cons: Constraints | None,
+             stops: Stops) -> Iterator[list[int]]:
         sample_drafts = spec.verify in ("auto", "rejection") and not sampling.greedy
         opts = DraftOptions(spec.p_min, sampling if sample_drafts else None)
         # each drafter's longest draft (n-grams: size_m, models: n_max), within the engine's cap; an
@@ -403,8 +411,7 @@ class Engine:
                 k_cap = min(limit - n_emitted - 1, self.n_ctx - n_past - 2)   # llama-server's n_draft_max
                 if self.model.recurrent and (replay or not ckpt_ok):   # what the context can roll back
                     k_cap = min(k_cap, self.ctx.params.n_rs_seq, self.n_max_cap - len(replay))
-                draft, which = self._propose(drafters, text[:n_text], k_cap, lens,
-                                             spec.n_min, st)
+                draft, which = self._propose(drafters, text[:n_text], k_cap, lens, spec.n_min, st, stops)
                 vp = None
                 if cons is not None:     # cut at the first token the constrained target cannot emit
                     vp = cons.verify_pass(draft)
@@ -511,11 +518,12 @@ class Engine:
         log.info("target pass cost: %s", ", ".join(f"{r} rows {self.pass_cost.at(r) * 1e3:.1f} ms" for r in rows))
 
     def _propose(self, drafters: list[Drafter], ctx: np.ndarray, k_cap: int, lens: list[DraftLength], n_min: int,
-                 st: GenStats) -> tuple[Draft, int]:
+                 st: GenStats, stops: Stops = NO_STOPS) -> tuple[Draft, int]:
         """The first drafter's proposal of at least max(1, n_min) tokens, and its index (-1: none).
-        An adaptive drafter with free proposals (n-grams) is asked for its longest draft and its
-        DraftLength takes the part worth verifying (0: held back); the whole proposal is scored
-        against the text the target then emits."""
+        A proposal ends at the first token where the text would end (draft_end). An adaptive
+        drafter with free proposals (n-grams) is asked for its longest draft and its DraftLength
+        takes the part worth verifying (0: held back); the whole proposal is scored against the
+        text the target then emits."""
         if k_cap <= 0:
             return Draft.empty(), -1
         for i, d in enumerate(drafters):
@@ -529,6 +537,7 @@ class Engine:
             st.drafters[i].t_draft_s += time.perf_counter() - t
             if len(draft) > cap:
                 raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
+            draft = draft_head(draft, draft_end(draft.tokens, ctx, stops, self.model.piece, self.model.is_eog))
             if dl.free:
                 draft = Draft(dl.take(draft.tokens, len(ctx), cap, self.pass_cost))   # n-grams: no probs
             if len(draft) > 0 and len(draft) >= n_min:

@@ -6,7 +6,7 @@ emitted token, not yet decoded by the target), n_past (its position), n_draft, n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -75,6 +75,54 @@ class Draft:
 
 
 _EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None)
+
+
+def draft_head(d: Draft, k: int) -> Draft:
+    """The draft's first k tokens (d itself when it has no more)."""
+    return d if k >= len(d) else Draft(d.tokens[:k], None if d.probs is None else d.probs[:k])
+
+
+@dataclass(frozen=True, slots=True)
+class Stops:
+    """Where a request's text ends besides an end-of-generation token: its stop strings (UTF-8)
+    and stop tokens (a chat template's end of turn). The caller stops there; the engine only uses
+    them to verify no draft token past the end (draft_end)."""
+
+    strings: tuple[bytes, ...] = ()
+    tokens: frozenset[int] = frozenset()
+
+    @staticmethod
+    def of(strings: Sequence[str] = (), tokens: Iterable[int] = ()) -> Stops:
+        return Stops(tuple(w.encode("utf-8") for w in strings if w), frozenset(tokens))
+
+
+NO_STOPS = Stops()
+
+
+def draft_end(draft: np.ndarray, text: np.ndarray, stops: Stops, piece: Callable[[int], bytes],
+              is_eog: Callable[[int], bool]) -> int:
+    """How many tokens of draft (int32 [k]) after text (int32 [n]) are worth verifying: up to and
+    including the first one where plain decoding would end (an end-of-generation or stop token, or
+    the token whose bytes complete a stop string, by bytes across the text's tail); k if none.
+    Tokens past it are never emitted, so verifying them only costs rows. A stop string that lies
+    in the text already does not count."""
+    if not len(draft):
+        return 0
+    longest = max(map(len, stops.strings), default=0)
+    tail = b""
+    i = len(text)
+    while longest > 1 and i > 0 and len(tail) < longest - 1:
+        i -= 1
+        tail = piece(int(text[i])) + tail
+    for j, t in enumerate(draft.tolist()):
+        if is_eog(t) or t in stops.tokens:
+            return j + 1
+        if longest:
+            new = tail + piece(t)
+            if any(new.find(w, max(0, len(tail) - len(w) + 1)) >= 0 for w in stops.strings):
+                return j + 1
+            tail = new[-(longest - 1):] if longest > 1 else b""
+    return len(draft)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams, NgramMapParams, NgramModParams, SpecParams, SuffixParams
 from specrun.kernels.prefill import BLOCK
-from specrun.kernels.types import Draft, DraftOptions, SamplingParams, TargetPass
+from specrun.kernels.types import Draft, DraftOptions, SamplingParams, Stops, TargetPass, draft_end
 
 pytestmark = pytest.mark.slow
 
@@ -190,3 +190,39 @@ def test_verbose_shows_llama_cpp_log(smollm_path):
     assert "llama.cpp:" not in quiet.stderr
     assert "INFO llama.cpp: llama_model_loader" in loud.stderr or "INFO llama.cpp: llama_context" in loud.stderr
     assert quiet.stdout == loud.stdout
+
+
+PIECES = {1: b"Hello", 2: b",", 3: b" wor", 4: b"ld", 5: b"\n", 6: b"Us", 7: b"er:", 8: b" hi", 9: b""}
+
+
+@pytest.mark.parametrize(("text", "draft", "stops", "want"), [
+    ([1, 2], [3, 4, 5, 6], Stops(), 4),                          # nothing ends it
+    ([1, 2], [3, 9, 4], Stops(), 2),                             # an end-of-generation token: kept, then cut
+    ([1, 2], [3, 4, 8], Stops(tokens=frozenset({4})), 2),        # a stop token
+    ([1, 2], [3, 4, 5, 6, 7, 8], Stops((b"\nUser:",)), 5),       # "\nUser:" completes with "er:"
+    ([1, 5, 6], [7, 8, 3], Stops((b"\nUser:",)), 1),             # ... across the text's tail
+    ([5, 6, 7], [8, 3], Stops((b"\nUser:",)), 2),                # one already in the text does not count
+    ([1], [2, 3], Stops((b"or", b",")), 1),                      # the first of several
+    ([], [3, 4], Stops((b"rld",)), 2),
+    ([1], [], Stops((b"x",)), 0),
+])
+def test_draft_end_cuts_after_the_token_where_the_text_ends(text, draft, stops, want):
+    got = draft_end(np.asarray(draft, dtype=np.int32), np.asarray(text, dtype=np.int32), stops,
+                    PIECES.__getitem__, lambda t: t == 9)
+    assert got == want
+
+
+def test_no_draft_token_past_a_stop_is_verified(engine):
+    """With stops, a draft that runs past where the text ends is cut there; the output is the same."""
+    prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+    engine.reset()
+    plain = [t for ch in engine.generate(prompt, 12, GREEDY, spec=SpecParams()) for t in ch]
+    stop = engine.model.detokenize(plain[4:6])
+    seen = []
+    for stops in (Stops(), Stops.of([stop])):
+        rec = Recorder(plain, len(prompt), n_right=12)
+        gen = engine.generate(prompt, 12, GREEDY, spec=SpecParams(n_max=8), drafters=[rec], stops=stops)
+        assert [t for ch in gen for t in ch] == plain
+        seen.append([c[2] for c in rec.calls if c[0] == "accept"][1:])   # each pass's rows: id_last + draft
+    assert seen[0][0] == 9                  # id_last (plain[0]) + plain[1..8]
+    assert seen[1][0] == 6                  # id_last + plain[1..5]: plain[5] completes the stop

@@ -25,7 +25,7 @@ from specrun.kernels.engine import Engine
 from specrun.kernels.llama import Model
 from specrun.kernels.params import parse_spec_types
 from specrun.kernels.stats import GenStats
-from specrun.kernels.types import SamplingParams
+from specrun.kernels.types import SamplingParams, Stops
 
 from .text import TextRun
 
@@ -364,7 +364,8 @@ class ChatSession:
         if dropped and on_dropped is not None:
             on_dropped(dropped)
         self.messages = messages
-        run = TextRun(self.engine.generate(tokens, self.n_predict, self.sampling), self.engine.model,
+        run = TextRun(self.engine.generate(tokens, self.n_predict, self.sampling,
+                                           stops=Stops.of((), self.stop_tokens)), self.engine.model,
                       stop_tokens=self.stop_tokens)
         failed = False
         try:

@@ -38,7 +38,7 @@ from specrun.kernels.batch import SeqEngine
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import SpecParams
 from specrun.kernels.stats import GenStats
-from specrun.kernels.types import SamplingParams, TokenLogprob, common_prefix
+from specrun.kernels.types import SamplingParams, Stops, TokenLogprob, common_prefix
 
 from ..runtime.text import TextRun
 
@@ -92,7 +92,7 @@ def generate(engine: Engine | SeqEngine, job: Job, emit: Callable[[str], None], 
     if not job.cache_prompt:
         engine.reset()
     gen = engine.generate(job.prompt, job.n_predict, job.sampling, spec=job.spec, cancel=cancel.is_set,
-                          logprobs=job.logprobs)
+                          logprobs=job.logprobs, stops=Stops.of(job.stop, job.stop_tokens))
     started(gen.stats)
     run = TextRun(gen, engine.model, stops=job.stop, stop_tokens=job.stop_tokens, cancel=cancel.is_set)
     try:
