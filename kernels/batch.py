@@ -501,24 +501,35 @@ class BatchEngine:
             self._probe(gen)
         ks = share_rows([c[0] for c in cands], [len(c[1]) for c in cands], [c[2] for c in cands],
                         self.pass_cost, len(gen))
-        return [Draft.empty() if k == 0 else draft_head(d, k) for (_, d, _), k in zip(cands, ks, strict=True)]
+        for s, (_, _, _, i), k in zip(gen, cands, ks, strict=True):
+            if i >= 0:                       # a copy drafter held back is asked again in a few steps
+                ds = s.h.stats.drafters[i]
+                s.lens[i].pace(k, ds.t_draft_s / ds.n_call_draft, self.pass_cost)
+        return [Draft.empty() if k == 0 else draft_head(d, k) for (_, d, _, _), k in zip(cands, ks, strict=True)]
 
-    def _candidate(self, s: _Seq, room: int) -> tuple[list[float], Draft, int]:
-        """(per-position acceptance rates, the draft it may make, its least rows) of sequence s."""
+    def _candidate(self, s: _Seq, room: int) -> tuple[list[float], Draft, int, int]:
+        """(per-position acceptance rates, the draft it may make, its least rows, the copy drafter
+        that made it or was asked last: -1 for none or a model drafter) of sequence s. A held-back
+        copy drafter is asked only every few steps (DraftLength.pace)."""
         if room <= 0 or not s.drafters:
-            return [], Draft.empty(), 0
+            return [], Draft.empty(), 0, -1
         ctx = np.asarray(s.text, dtype=np.int32)
+        asked = -1
         for i, dl in enumerate(s.lens):
+            if dl.k_min == 0 and not dl.ask():
+                continue
             draft = self._ask(s, i, ctx, min(room, dl.cap if dl.k_min == 0 else max(1, dl.n)))
+            if dl.k_min == 0:
+                asked = i
             if not len(draft) or len(draft) < s.spec.n_min:
                 continue
             s.which = i
             if dl.k_min:                     # a model drafter: its draft as made
-                return dl.acc.rates(len(draft)), draft, 1
+                return dl.acc.rates(len(draft)), draft, 1, -1
             # the proposal is pending now (or continues the pending one): at least one candidate
             a, toks = max(dl.candidates(draft.tokens, len(ctx)), key=lambda c: expected_tokens(c[0], min(len(c[1]), room)))
-            return a, Draft(toks[:room]), 0
-        return [], Draft.empty(), 0
+            return a, Draft(toks[:room]), 0, i
+        return [], Draft.empty(), 0, asked
 
     def _probe(self, gen: list[_Seq]) -> None:
         """Time shared decodes of curve_rows(PROBE_ROWS) rows once, past a generating sequence's KV

@@ -13,6 +13,11 @@ continues a copy seen right for j tokens is judged from position j on. On a verb
 a_i -> 1 and the longest draft pays; on a partial one the rows past the likely rejection are
 wasted and k drops; on text that n-grams do not predict the drafter is silent.
 
+Proposals are free only next to a pass: suffix's search takes a fraction of a millisecond. So
+while a free drafter is held back it is asked only every few steps, often enough that its
+proposals take at most HELD_SHARE of the plain steps' time (DraftLength.pace); it drafts
+again at the first proposal that pays.
+
     VerifyCost the measured cost of target passes of r rows (Engine.measure_passes, the one way
                passes are timed): auto's calibration reads it as D(r), and PassCost starts from it
     PassCost   t(r): seconds of a target pass of r rows, learned from the engine's own passes
@@ -47,6 +52,8 @@ PRIOR = (1.0, 1.0)   # (accepted, rejected): a = 0.5 before the first draft
 PRIOR_COPY = (4.0, 0.0)   # free (n-gram) drafters, past a copy's first token: rate 0.9 with PRIOR's first
 LEVEL_W = 0.5        # weight of one pass in PassCost's level (its noise moves every t(r) alike)
 SHAPE_W = 1 / 16     # ... and in its shape, base(r)
+HELD_SHARE = 0.01    # a held-back free drafter's proposals: at most this share of the plain steps' time
+MAX_IDLE = 16        # ... and it is asked at least every MAX_IDLE + 1 steps
 # The pass sizes timed before t(r) is used (the engine's probe, auto's calibration), those up to the
 # longest pass; t(r) is linear between them. Both sides of every 4th row: llama.cpp's CPU matmuls take
 # the rows in blocks of 4 on x86, and the row past a block costs most, so a draft of 4k - 1 tokens
@@ -351,6 +358,7 @@ class DraftLength:
     shadow: tuple[int, np.ndarray] | None = None   # pending proposal: (position of its first token, int32 [k])
     at: int = 0                # the pending proposal's first token's position in its copy (0 or 1)
     run_end: int = -1          # where the last scored proposal ended if the text matched all of it
+    idle: int = 0              # steps before a held-back free drafter is asked again (pace)
 
     @property
     def free(self) -> bool:
@@ -409,6 +417,20 @@ class DraftLength:
             else:
                 cands.append((self.at + j, rest))
         return [(self.acc.rates(self.cap + off)[off:], toks) for off, toks in cands]
+
+    def ask(self) -> bool:
+        """Whether to ask the drafter for a proposal this step (False: a paced step, counted)."""
+        if self.idle > 0:
+            self.idle -= 1
+            return False
+        return True
+
+    def pace(self, drafted: int, t_propose: float, cost: PassCost) -> None:
+        """After a free drafter's proposal: drafted 0 (held back) skips the next steps, as many as
+        keep its proposals, t_propose seconds each, at most HELD_SHARE of a plain step's time
+        t(1) (MAX_IDLE at most); drafted > 0 asks again at the next step."""
+        if self.free:
+            self.idle = 0 if drafted else min(MAX_IDLE, int(t_propose / (HELD_SHARE * cost.at(1))))
 
     def score(self, ctx_tokens: Sequence[int], cost: PassCost) -> None:
         """Score the pending proposal once the emitted text ctx_tokens decides it (a mismatch, or

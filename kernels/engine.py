@@ -522,24 +522,26 @@ class Engine:
         """The first drafter's proposal of at least max(1, n_min) tokens, and its index (-1: none).
         A proposal ends at the first token where the text would end (draft_end). An adaptive
         drafter with free proposals (n-grams) is asked for its longest draft and its DraftLength
-        takes the part worth verifying (0: held back); the whole proposal is scored against the
-        text the target then emits."""
+        takes the part worth verifying (0: held back, and then asked only every few steps:
+        DraftLength.pace); the whole proposal is scored against the text the target then emits."""
         if k_cap <= 0:
             return Draft.empty(), -1
         for i, d in enumerate(drafters):
             t = time.perf_counter()
             dl = lens[i]
             cap = min(k_cap, dl.cap if dl.free else dl.n)
-            if cap <= 0:
+            if cap <= 0 or not dl.ask():
                 continue
             draft = d.propose(ctx, cap)
-            st.drafters[i].n_call_draft += 1
-            st.drafters[i].t_draft_s += time.perf_counter() - t
+            ds = st.drafters[i]
+            ds.n_call_draft += 1
+            ds.t_draft_s += time.perf_counter() - t
             if len(draft) > cap:
                 raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
             draft = draft_head(draft, draft_end(draft.tokens, ctx, stops, self.model.piece, self.model.is_eog))
             if dl.free:
                 draft = Draft(dl.take(draft.tokens, len(ctx), cap, self.pass_cost))   # n-grams: no probs
+                dl.pace(len(draft), ds.t_draft_s / ds.n_call_draft, self.pass_cost)
             if len(draft) > 0 and len(draft) >= n_min:
                 return draft, i
         return Draft.empty(), -1

@@ -7,6 +7,8 @@ import pytest
 
 from specrun.kernels.draftlen import (
     DECAY,
+    HELD_SHARE,
+    MAX_IDLE,
     Acceptance,
     DraftLength,
     PassCost,
@@ -283,6 +285,30 @@ def xeon() -> PassCost:
     for r, ms in XEON_SMOLLM2.items():
         c.record(r, ms / 1e3)
     return c
+
+
+def test_a_held_back_free_drafter_is_asked_every_few_steps():
+    """Held back, a free drafter is asked as seldom as keeps its proposals at HELD_SHARE of a
+    plain step's time (at most MAX_IDLE steps skipped); once it drafts it is asked every step.
+    A model drafter is always asked."""
+    c = cost(0.01, 0.0)                              # t(r) = 10 ms
+    dl = DraftLength(16, True, 0)
+
+    def asked(n: int) -> list[bool]:
+        return [dl.ask() for _ in range(n)]
+
+    dl.pace(0, 0.0004, c)                            # 0.4 ms: 4 % of a step -> 4 steps skipped
+    assert asked(6) == [False] * 4 + [True, True]
+    dl.pace(3, 0.0004, c)                            # drafted: the next step asks
+    assert asked(2) == [True, True]
+    dl.pace(0, 0.00005, c)                           # 0.05 ms: under the share -> every step
+    assert asked(2) == [True, True]
+    dl.pace(0, 1.0, c)                               # slow: still asked every MAX_IDLE + 1 steps
+    assert asked(MAX_IDLE + 1) == [False] * MAX_IDLE + [True]
+    model = DraftLength(16, True, 1)
+    model.pace(0, 1.0, c)
+    assert model.ask()
+    assert HELD_SHARE == 0.01
 
 
 def test_one_sequence_shares_rows_as_best_length_cuts():
