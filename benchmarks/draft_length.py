@@ -52,7 +52,8 @@ GREEDY = SamplingParams(temp=0.0)
 
 
 class FrozenCost(PassCost):
-    """t(r) from a fixed table; record() only logs the pass's rows."""
+    """t(r) from a fixed table; record() only logs the pass's rows. Its proposals take no time
+    (idle_steps 0): a held-back drafter is asked every step, as the replay models it."""
 
     __slots__ = ("rows",)
 
@@ -62,6 +63,9 @@ class FrozenCost(PassCost):
 
     def record(self, rows: int, seconds: float) -> None:
         self.rows.append(rows)
+
+    def idle_steps(self, t_propose: float) -> int:
+        return 0
 
 
 CURVE_ROWS = tuple(curve_rows(33))   # the engine's probe's pass sizes (kernels/draftlen.py), up to 33 rows

@@ -175,6 +175,11 @@ class PassCost:
         c1 = max(sum((r - mr) * (t - mt) for r, t in pts) / var, 0.0)
         return max(mt - c1 * mr, 1e-9), c1
 
+    def idle_steps(self, t_propose: float) -> int:
+        """Plain steps a held-back free drafter skips after a proposal of t_propose seconds: as many
+        as keep its proposals at HELD_SHARE of the steps' time t(1), MAX_IDLE at most."""
+        return min(MAX_IDLE, int(t_propose / (HELD_SHARE * self.at(1))))
+
     def at(self, rows: int) -> float:
         """t(rows): scale times base(rows), linear between the per-r means around it (a CPU's verify
         curve is concave: a line through few short passes would call every long draft dear), the
@@ -426,11 +431,10 @@ class DraftLength:
         return True
 
     def pace(self, drafted: int, t_propose: float, cost: PassCost) -> None:
-        """After a free drafter's proposal: drafted 0 (held back) skips the next steps, as many as
-        keep its proposals, t_propose seconds each, at most HELD_SHARE of a plain step's time
-        t(1) (MAX_IDLE at most); drafted > 0 asks again at the next step."""
+        """After a free drafter's proposal of t_propose seconds (its mean): drafted 0 (held back)
+        skips cost.idle_steps(t_propose) steps; drafted > 0 asks again at the next step."""
         if self.free:
-            self.idle = 0 if drafted else min(MAX_IDLE, int(t_propose / (HELD_SHARE * cost.at(1))))
+            self.idle = 0 if drafted else cost.idle_steps(t_propose)
 
     def score(self, ctx_tokens: Sequence[int], cost: PassCost) -> None:
         """Score the pending proposal once the emitted text ctx_tokens decides it (a mismatch, or
