@@ -316,6 +316,7 @@ def run(args) -> dict:
                 partial = Path(args.out).with_suffix(".partial.json")   # what a stopped run keeps: --from-json it
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps({"meta": meta, "servers": servers, "requests": requests}, indent=1) + "\n")
+    Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)   # the run ended: main() writes args.out
     return {"meta": meta, "servers": servers, "requests": requests}
 
 
