@@ -612,6 +612,8 @@ class BatchEngine:
         h, n, keep = s.h, len(s.prompt), s.fast_keep
         if s.fast_logits is None:
             try:
+                if h.request.fresh:       # cache_prompt false: no block of the fast context reused either
+                    self.prefill.forget()
                 state = self.prefill.state(s.prompt, lambda: h.cancelled)
                 if state is None:
                     return

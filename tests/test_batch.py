@@ -402,3 +402,6 @@ def test_long_prompts_take_the_fast_path_as_the_engine_does(gemma_path):
             assert [h.tokens for h in hs] == [exact["short"], fast["long2"], exact["head"]]
             # short: from its start, though BOS was held; head: all but the BOS its sequence held (copied: 1)
             assert [h.stats.n_prompt for h in hs] == [len(short), 0, len(head) - 1]
+            # cache_prompt false: nothing reused, neither the sequence's KV nor the fast context's blocks
+            [h] = b.run([Request(long2, N_LONG, GREEDY, seq=1, fresh=True)])
+            assert h.tokens == fast["long2"] and h.stats.n_prompt == len(long2)
