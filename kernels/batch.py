@@ -54,7 +54,7 @@ from specrun.gguf_spec.errors import SpecrunError
 from .constrain import Constraints, VerifyPass
 from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
 from .draftlen import DraftLength, PassCost, curve_of, curve_rows, expected_tokens, share_rows
-from .engine import Engine, Generation, resolve_seed, verify_mode
+from .engine import Engine, Generation, ask, resolve_seed, verify_mode
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import NGRAM_TYPES, EngineParams, SpecParams
 from .prefill import FastPrefill, fast_len
@@ -71,7 +71,6 @@ from .types import (
     TargetPass,
     TokenLogprob,
     common_prefix,
-    draft_end,
     draft_head,
     token_logprob,
 )
@@ -503,8 +502,7 @@ class BatchEngine:
                         self.pass_cost, len(gen))
         for s, (_, _, _, i), k in zip(gen, cands, ks, strict=True):
             if i >= 0:                       # a copy drafter held back is asked again in a few steps
-                ds = s.h.stats.drafters[i]
-                s.lens[i].pace(k, ds.t_draft_s / ds.n_call_draft, self.pass_cost)
+                s.lens[i].pace(k, s.h.stats.drafters[i].t_per_call, self.pass_cost)
         return [Draft.empty() if k == 0 else draft_head(d, k) for (_, d, _, _), k in zip(cands, ks, strict=True)]
 
     def _candidate(self, s: _Seq, room: int) -> tuple[list[float], Draft, int, int]:
@@ -565,15 +563,7 @@ class BatchEngine:
     def _ask(self, s: _Seq, i: int, ctx: np.ndarray, cap: int) -> Draft:
         """Drafter i of sequence s's proposal of at most cap tokens after ctx, timed in its stats, cut
         after the first token where the text ends (draft_end)."""
-        d = s.drafters[i]
-        t = time.perf_counter()
-        draft = d.propose(ctx, cap)
-        st = s.h.stats.drafters[i]
-        st.n_call_draft += 1
-        st.t_draft_s += time.perf_counter() - t
-        if len(draft) > cap:
-            raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
-        return draft_head(draft, draft_end(draft.tokens, ctx, s.h.request.stops, self.model.piece, self.model.is_eog))
+        return ask(s.drafters[i], ctx, cap, s.h.stats.drafters[i], s.h.request.stops, self.model)
 
     def _prompt_chunk(self, s: _Seq, chunk: list[int], lo: int, out: list) -> None:
         last = lo + len(chunk) == len(s.prompt)

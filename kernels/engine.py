@@ -110,6 +110,18 @@ class Generation:
         self.close()
 
 
+def ask(d: Drafter, ctx: np.ndarray, cap: int, ds: DrafterStats, stops: Stops, model: Model) -> Draft:
+    """d's proposal of at most cap tokens after ctx (int32 [n]), timed and counted in ds, cut after
+    the first token where the text ends (draft_end). A longer proposal is a SpecrunError."""
+    t = time.perf_counter()
+    draft = d.propose(ctx, cap)
+    ds.n_call_draft += 1
+    ds.t_draft_s += time.perf_counter() - t
+    if len(draft) > cap:
+        raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
+    return draft_head(draft, draft_end(draft.tokens, ctx, stops, model.piece, model.is_eog))
+
+
 def _free_proposals(d: Drafter) -> bool:
     """Whether a drafter's proposal is only a lookup in the tokens (the n-gram drafters), so that a
     draft may be made and scored without verifying it (adaptive length 0, its proposals scored whole)."""
@@ -527,21 +539,14 @@ class Engine:
         if k_cap <= 0:
             return Draft.empty(), -1
         for i, d in enumerate(drafters):
-            t = time.perf_counter()
             dl = lens[i]
             cap = min(k_cap, dl.cap if dl.free else dl.n)
             if cap <= 0 or not dl.ask():
                 continue
-            draft = d.propose(ctx, cap)
-            ds = st.drafters[i]
-            ds.n_call_draft += 1
-            ds.t_draft_s += time.perf_counter() - t
-            if len(draft) > cap:
-                raise SpecrunError(f"the {d.spec_type} drafter proposed {len(draft)} tokens when asked for at most {cap}")
-            draft = draft_head(draft, draft_end(draft.tokens, ctx, stops, self.model.piece, self.model.is_eog))
+            draft = ask(d, ctx, cap, st.drafters[i], stops, self.model)
             if dl.free:
                 draft = Draft(dl.take(draft.tokens, len(ctx), cap, self.pass_cost))   # n-grams: no probs
-                dl.pace(len(draft), ds.t_draft_s / ds.n_call_draft, self.pass_cost)
+                dl.pace(len(draft), st.drafters[i].t_per_call, self.pass_cost)
             if len(draft) > 0 and len(draft) >= n_min:
                 return draft, i
         return Draft.empty(), -1

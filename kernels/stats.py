@@ -24,6 +24,11 @@ class DrafterStats:
     acc_per_pos: list[int] = field(default_factory=list)
     t_draft_s: float = 0.0
 
+    @property
+    def t_per_call(self) -> float:
+        """Seconds a call for a draft took, on average (0 before any)."""
+        return self.t_draft_s / self.n_call_draft if self.n_call_draft else 0.0
+
     def record(self, n_drafted: int, n_accepted: int) -> None:
         self.n_gen_drafts += 1
         self.n_gen_tokens += n_drafted
