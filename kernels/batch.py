@@ -916,9 +916,12 @@ def batch_slots(owner: Engine, n: int, n_threads: int = 0, draft_rows: int | Non
     worker starts (or the weights load) now.
     requires: owner in exact mode, no hidden-row spec types, not a recurrent model (batchable)."""
     p = owner.params
+    n_threads = n_threads or p.n_threads
     shared = owner.share_prefill()
+    if shared is not None:      # a long prompt holds the whole batch: it takes the batch's threads
+        shared.set_threads(n_threads)
     engine = BatchEngine(owner.model.path, BatchParams(
-        n_seq=n, n_ctx_seq=owner.n_ctx, n_batch=p.n_batch, n_threads=n_threads or p.n_threads, draft_rows=draft_rows,
+        n_seq=n, n_ctx_seq=owner.n_ctx, n_batch=p.n_batch, n_threads=n_threads, draft_rows=draft_rows,
         draft_model=p.draft_model, fast_prefill=owner.fast is not None), model=owner.model,
         prefill=shared.handle() if shared is not None else None)
     owner.start_prefill()

@@ -291,3 +291,29 @@ def test_one_shot_engines_start_the_worker_at_the_first_long_prompt(gemma_path):
         assert e.fast.pid is None
     finally:
         e.close()
+
+
+def test_batched_slots_give_the_worker_the_batch_threads(gemma_path):
+    """serve -np 2 divides -t between the slots' engines (-nocb); batched, one long prompt holds
+    every slot, so the shared worker evaluates it on the batch's threads, not the owner's share.
+    set_threads on a running worker stops it; the next start takes the new count."""
+    from specrun.cli.runtime.loading import open_engines
+    from specrun.kernels.batch import batch_slots
+
+    def child_threads(w: PrefillWorker) -> int:
+        argv = open(f"/proc/{w.pid}/cmdline", "rb").read().split(b"\0")
+        return int(argv[argv.index(b"specrun.kernels.prefill_worker") + 3])
+
+    (owner,) = open_engines(str(gemma_path), EngineParams(n_ctx=2048, n_threads=1), 1)
+    slots = batch_slots(owner, 2, n_threads=2)
+    try:
+        w = owner.fast.worker
+        assert w.pid is not None and child_threads(w) == 2 and owner.params.n_threads == 1
+        pid = w.pid
+        owner.fast.shared.set_threads(1)
+        assert w.pid is None and not _alive(pid)
+        w.start()
+        assert child_threads(w) == 1
+    finally:
+        for s in reversed(slots):
+            s.close()
