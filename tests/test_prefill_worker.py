@@ -293,22 +293,27 @@ def test_one_shot_engines_start_the_worker_at_the_first_long_prompt(gemma_path):
         e.close()
 
 
-def test_batched_slots_give_the_worker_the_batch_threads(gemma_path):
-    """serve -np 2 divides -t between the slots' engines (-nocb); batched, one long prompt holds
-    every slot, so the shared worker evaluates it on the batch's threads, not the owner's share.
-    set_threads on a running worker stops it; the next start takes the new count."""
-    from specrun.cli.runtime.loading import open_engines
-    from specrun.kernels.batch import batch_slots
+def test_batched_slots_run_on_the_batch_threads(gemma_path, monkeypatch):
+    """serve -np 2 without -t divides the default threads between the slots' engines (-nocb).
+    Batched, one context steps every slot and a long prompt holds them all: the model's owner
+    and its prompt worker get the batch's threads, not one slot's share. SharedPrefill.set_threads
+    on a running worker stops it; the next start takes the new count."""
+    from serving import serve_options
+
+    from specrun.cli.server.lifecycle import load_engines
 
     def child_threads(w: PrefillWorker) -> int:
         argv = open(f"/proc/{w.pid}/cmdline", "rb").read().split(b"\0")
         return int(argv[argv.index(b"specrun.kernels.prefill_worker") + 3])
 
-    (owner,) = open_engines(str(gemma_path), EngineParams(n_ctx=2048, n_threads=1), 1)
-    slots = batch_slots(owner, 2, n_threads=2)
+    monkeypatch.setenv("LLAMA_ARG_THREADS", "2")
+    opt = serve_options(("-m", str(gemma_path), "-c", "512", "-np", "2"))
+    assert opt.params.n_threads == 1 and opt.batch_threads == 2          # -nocb's share, the batch's
+    slots = load_engines(opt)
     try:
+        owner = slots[0].owner
         w = owner.fast.worker
-        assert w.pid is not None and child_threads(w) == 2 and owner.params.n_threads == 1
+        assert owner.params.n_threads == 2 and w.pid is not None and child_threads(w) == 2
         pid = w.pid
         owner.fast.shared.set_threads(1)
         assert w.pid is None and not _alive(pid)

@@ -247,6 +247,28 @@ def test_what_cannot_be_batched_says_why():
     assert "recurrent" in not_batchable(EngineParams(), recurrent=True)
 
 
+def test_settings_that_cannot_be_batched_load_an_engine_per_slot(tmp_path, monkeypatch, capsys):
+    """draft-mtp reads hidden rows: one line says why, and each slot gets an engine of its own with
+    its share of the threads (-nocb's), over one model loaded once."""
+    from specrun.cli.server.lifecycle import load_engines
+    from specrun.gguf_spec.testmodel import Head, SynthConfig
+    from specrun.kernels.engine import Engine
+    from specrun.kernels.testmodel import build_test_model
+
+    path = build_test_model(tmp_path / "mtp.gguf", SynthConfig(head=Head.parse("exact")), "q8_0")
+    monkeypatch.setenv("LLAMA_ARG_THREADS", "2")
+    opt = serve_options(("-m", str(path), "-c", "256", "-np", "2", "--spec-type", "draft-mtp"))
+    engines = load_engines(opt)
+    try:
+        assert all(type(e) is Engine for e in engines) and len(engines) == 2
+        assert [e.params.n_threads for e in engines] == [1, 1] and engines[1].model is engines[0].model
+        assert "each slot decodes with an engine of its own, not in one batch (--spec-type draft-mtp reads" \
+            in capsys.readouterr().err
+    finally:
+        for e in reversed(engines):
+            e.close()
+
+
 def test_bad_request_on_a_batched_slot_is_a_400(batched):
     r = batched.post("/completion", {"prompt": "x", "n_predict": 4, "logit_bias": [[10**7, 1.0]]})
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]

@@ -147,30 +147,28 @@ class Loader(threading.Thread):
 
 def load_engines(opt: ServeOptions) -> list[Engine | SeqEngine]:
     """The slots' engines: with -np > 1 and continuous batching, a sequence each of one batched
-    context (batch_slots), unless the settings cannot be batched (one stderr line says why); else
-    -np engines over the model, its prompt worker started (open_engines)."""
+    context (batch_slots) on all the batch's threads, unless the settings cannot be batched (one
+    stderr line says why); else -np engines over the model, the threads divided between them, its
+    prompt worker started (open_engines)."""
     if opt.parallel == 1 or not opt.cont_batching:
         return open_engines(opt.model, opt.params, opt.parallel, start_prefill=True)
     from specrun.kernels.batch import batch_slots, not_batchable
-    from specrun.kernels.engine import Engine
 
-    [owner] = open_engines(opt.model, opt.params, 1)
-    engines = [owner]
-    try:
+    why = not_batchable(opt.params)
+    if not why:
+        # the model's owner (its prompt worker, --spec-type auto's calibration) runs as the batch does
+        [owner] = open_engines(opt.model, replace(opt.params, n_threads=opt.batch_threads or opt.params.n_threads), 1)
         why = not_batchable(owner.params, owner.model.recurrent)
         if not why:
-            return batch_slots(owner, opt.parallel, opt.batch_threads)
-        err_console.print(f"specrun serve: -np {opt.parallel}: each slot decodes with an engine of its own, not in "
-                          f"one batch ({why})", markup=False, soft_wrap=True)
-        shared = owner.share_prefill()
-        for _ in range(opt.parallel - 1):
-            engines.append(Engine(owner.model.path, owner.params, model=owner.model, prefill=shared))
-        owner.start_prefill()
-    except BaseException:
-        for e in reversed(engines):
-            e.close()
-        raise
-    return engines
+            try:
+                return batch_slots(owner, opt.parallel, opt.batch_threads)
+            except BaseException:
+                owner.close()
+                raise
+        owner.close()         # a hybrid model: loaded again below, with the threads divided
+    err_console.print(f"specrun serve: -np {opt.parallel}: each slot decodes with an engine of its own, not in "
+                      f"one batch ({why})", markup=False, soft_wrap=True)
+    return open_engines(opt.model, opt.params, opt.parallel, start_prefill=True)
 
 
 @dataclass(frozen=True, slots=True)
