@@ -908,20 +908,18 @@ class SeqEngine:
             self.owner.close()
 
 
-def batch_slots(owner: Engine, n: int, n_threads: int = 0, draft_rows: int | None = None) -> list[SeqEngine]:
+def batch_slots(owner: Engine, n: int, draft_rows: int | None = None) -> list[SeqEngine]:
     """n server slots over one batched context on owner's model: a sequence each, of owner's
-    n_ctx cells, its n_batch, n_threads threads (0: owner's), owner's -md for draft-simple.
+    n_ctx cells, its n_batch and threads (all the batch's: a long prompt holds every slot, so
+    owner's prompt worker runs on them too), owner's -md for draft-simple.
     Long prompts take the fast prompt path where owner does: through owner's prompt worker (one
     for the model), else a fast context of the batch's own over the same repacked weights; the
     worker starts (or the weights load) now.
     requires: owner in exact mode, no hidden-row spec types, not a recurrent model (batchable)."""
     p = owner.params
-    n_threads = n_threads or p.n_threads
     shared = owner.share_prefill()
-    if shared is not None:      # a long prompt holds the whole batch: it takes the batch's threads
-        shared.set_threads(n_threads)
     engine = BatchEngine(owner.model.path, BatchParams(
-        n_seq=n, n_ctx_seq=owner.n_ctx, n_batch=p.n_batch, n_threads=n_threads, draft_rows=draft_rows,
+        n_seq=n, n_ctx_seq=owner.n_ctx, n_batch=p.n_batch, n_threads=p.n_threads, draft_rows=draft_rows,
         draft_model=p.draft_model, fast_prefill=owner.fast is not None), model=owner.model,
         prefill=shared.handle() if shared is not None else None)
     owner.start_prefill()

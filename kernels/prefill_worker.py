@@ -153,17 +153,6 @@ class PrefillWorker:
             except (_WorkerGone, OSError, ValueError) as e:
                 self._stay_here(e)
 
-    def set_threads(self, n_threads: int) -> None:
-        """Evaluate prompts on n_threads from now on: a running child is stopped (the next prompt,
-        or start(), starts it again), a fast context in this process made again."""
-        if n_threads == self.n_threads:
-            return
-        self.n_threads = n_threads
-        self._kill()
-        if self.local is not None:
-            self.local.close()
-            self.local = FastPrefill(self.model, self.n_ctx_max, self.n_threads, self.rot, self.k_type)
-
     def _stay_here(self, e: BaseException) -> None:
         code = self.proc.poll() if self.proc is not None else None
         why = f"{e}" + (f"; exit status {code}" if code is not None else "")
@@ -280,13 +269,6 @@ class SharedPrefill:
     def handle(self) -> PrefillHandle:
         self.users += 1
         return PrefillHandle(self)
-
-    def set_threads(self, n_threads: int) -> None:
-        """Evaluate prompts on n_threads from now on (a batched context's: its prompt holds every
-        slot, so it takes all their threads). A running child is stopped; the next prompt, or
-        start(), starts it again with them."""
-        with self.lock:
-            self.worker.set_threads(n_threads)
 
 
 class PrefillHandle:

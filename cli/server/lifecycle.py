@@ -156,12 +156,12 @@ def load_engines(opt: ServeOptions) -> list[Engine | SeqEngine]:
 
     why = not_batchable(opt.params)
     if not why:
-        # the model's owner (its prompt worker, --spec-type auto's calibration) runs as the batch does
+        # the model's owner (the batch, its prompt worker, --spec-type auto's calibration): all the threads
         [owner] = open_engines(opt.model, replace(opt.params, n_threads=opt.batch_threads or opt.params.n_threads), 1)
         why = not_batchable(owner.params, owner.model.recurrent)
         if not why:
             try:
-                return batch_slots(owner, opt.parallel, opt.batch_threads)
+                return batch_slots(owner, opt.parallel)
             except BaseException:
                 owner.close()
                 raise
