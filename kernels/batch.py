@@ -53,7 +53,7 @@ from specrun.gguf_spec.errors import SpecrunError
 
 from .constrain import Constraints, VerifyPass
 from .drafters import HIDDEN_TYPES, TargetView, draft_n_max, drafter_key, make_drafter
-from .draftlen import DraftLength, PassCost, curve_of, curve_rows, expected_tokens, share_rows
+from .draftlen import DraftLength, PassCost, curve_of, curve_rows, expected_tokens, share_rows, ubatch_rows
 from .engine import Engine, Generation, ask, resolve_seed, verify_mode
 from .llama import MAX_EXACT_BATCH, Context, ContextParams, LlamaError, Model
 from .params import NGRAM_TYPES, EngineParams, SpecParams
@@ -420,7 +420,6 @@ class BatchEngine:
         gen = [s for s in active if not s.prefilling]
         # (seq, tokens, pos0, outputs?, draft, its controls' states)
         rows: list[tuple[_Seq, list[int], int, bool, Draft | None, VerifyPass | None]] = []
-        n_rows = 0
         spare = self.ctx.n_batch - len(gen)       # rows left for drafts and prompt chunks
         if self.params.draft_rows is None:
             drafts = self._drafts(gen, spare)
@@ -434,7 +433,6 @@ class BatchEngine:
                 draft = vp.draft
             spare -= len(draft)
             rows.append((s, [s.text[-1], *draft.tokens.tolist()], len(s.text) - 1, True, draft, vp))
-            n_rows += len(draft) + 1
         for s in active:
             if not s.prefilling:
                 continue
@@ -445,10 +443,10 @@ class BatchEngine:
                 self.n_stepped += 1
             elif len(chunk) <= spare:         # else at a later step
                 rows.append((s, chunk, lo, False, None, None))
-                n_rows += len(chunk)
                 spare -= len(chunk)
         if not rows:
             return out
+        rows.sort(key=lambda r: r[0].sid)         # llama.cpp's ubatches span consecutive sequence ids only
         self.n_stepped += len(rows)
         toks, pos, seqs, outs = [], [], [], []
         for s, t, p0, all_out, *_ in rows:
@@ -466,7 +464,8 @@ class BatchEngine:
                     vp.close()
                 self._fail(s, e, out)
             return out
-        self.pass_cost.record(n_rows, time.perf_counter() - t0)
+        self.pass_cost.record_split(ubatch_rows([(s.sid, len(t)) for s, t, *_ in rows], self.ctx.n_ubatch),
+                                    time.perf_counter() - t0)
         logits = self.ctx.outputs_rows()          # float32 [n_outputs, n_vocab], batch order
         i = 0
         for s, t, p0, all_out, draft, vp in rows:
@@ -498,8 +497,10 @@ class BatchEngine:
         cands = [self._candidate(s, min(self._room(s), room)) for s in gen]
         if not self.probed and any(len(c[1]) for c in cands):
             self._probe(gen)
+        sids = [s.sid for s in gen]
         ks = share_rows([c[0] for c in cands], [len(c[1]) for c in cands], [c[2] for c in cands],
-                        self.pass_cost, len(gen))
+                        lambda k: self.pass_cost.split_at(ubatch_rows(
+                            [(sid, 1 + ki) for sid, ki in zip(sids, k, strict=True)], self.ctx.n_ubatch)))
         for s, (_, _, _, i), k in zip(gen, cands, ks, strict=True):
             if i >= 0:                       # a copy drafter held back is asked again in a few steps
                 s.lens[i].pace(k, s.h.stats.drafters[i].t_per_call, self.pass_cost)

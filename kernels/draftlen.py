@@ -25,7 +25,8 @@ again at the first proposal that pays.
                times a level that every pass moves (the context grows, the machine drifts).
                It starts from a VerifyCost: the engine's probe of a few pass sizes, once before its
                first adaptive generation (passes of the lengths it is not choosing would never be
-               seen otherwise), or auto's calibration curve
+               seen otherwise), or auto's calibration curve. A pass is one ubatch; a batched
+               decode over several sequences may run as several (ubatch_rows), and costs their sum
     Acceptance a_i: by draft position, P(token i accepted | tokens before it were), decayed by
                DECAY per draft so that it follows the text (a copy starts, a copy ends);
                E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k (expected_tokens, which auto's calibration
@@ -40,7 +41,7 @@ from __future__ import annotations
 import heapq
 import statistics
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +66,29 @@ CURVE_ROWS = (1, 2, 4, 5, 8, 9, 12, 13, 16, 17, 32, 33, 64)
 def curve_rows(max_rows: int) -> list[int]:
     """The pass sizes to time for t(r) up to max_rows (>= 1): CURVE_ROWS below it, and max_rows."""
     return sorted({*(r for r in CURVE_ROWS if r < max_rows), max_rows})
+
+
+def ubatch_rows(seq_rows: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
+    """The rows of each ubatch llama.cpp runs for one decode over a KV stream per sequence
+    (llama_batch_allocr::split_equal, sequential). seq_rows: (sequence id, rows) in batch order, a
+    sequence's rows together. A ubatch takes the first sequence with rows left, then each later one
+    whose id is one more than the last taken, and the same number of rows from each: as many as all
+    of them have left, within n_ubatch. Each ubatch reads every weight once more, so one-token rows
+    share a ubatch only over consecutive ids, and a draft longer than its neighbours' adds ubatches.
+    ubatch_rows([(0, 1), (1, 5), (2, 1)], 512) == [3, 4]; ubatch_rows([(0, 1), (2, 1)], 512) == [1, 1]."""
+    left = [[sid, n] for sid, n in seq_rows if n > 0]
+    out: list[int] = []
+    while left:
+        take = [left[0]]
+        for q in left[1:]:
+            if q[0] == take[-1][0] + 1:
+                take.append(q)
+        m = max(1, min(min(q[1] for q in take), n_ubatch // len(take)))
+        for q in take:
+            q[1] -= m
+        out.append(m * len(take))
+        left = [q for q in left if q[1] > 0]
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +175,18 @@ class PassCost:
         for r, t in zip(curve.rows, curve.s, strict=True):
             top = max(top, t)
             self.record(int(r), top)
+
+    def record_split(self, ubatches: Sequence[int], seconds: float) -> None:
+        """One decode that llama.cpp ran as these ubatches (ubatch_rows): a single one is a pass of
+        its rows; several move the level only (what each cost alone is not seen)."""
+        if len(ubatches) == 1:
+            self.record(ubatches[0], seconds)
+        elif len(self.sums) >= 2:
+            self.scale += LEVEL_W * (seconds / max(sum(self._base(r) for r in ubatches), 1e-12) - self.scale)
+
+    def split_at(self, ubatches: Sequence[int]) -> float:
+        """Seconds of one decode run as these ubatches: the sum of their passes."""
+        return sum(self.at(r) for r in ubatches)
 
     @classmethod
     def of(cls, curve: VerifyCost) -> PassCost:
@@ -308,32 +344,35 @@ def best_length(a: float | Sequence[float], cost: PassCost, cap: int, k_min: int
     return best_k
 
 
-def share_rows(rates: Sequence[Sequence[float]], lengths: Sequence[int], k_min: Sequence[int], cost: PassCost,
-               base_rows: int) -> list[int]:
-    """Draft lengths for sequences that share one target pass (a batched step): k_i in
-    [min(k_min[i], lengths[i]), lengths[i]] with the most expected tokens per second of the pass,
-    (n + sum_i (E_i(k_i) - 1)) / t(base_rows + sum_i k_i), n = len(lengths); rates[i]: sequence
-    i's per-position acceptance (at least lengths[i] long). Each sequence's next token adds
-    a_i1..a_ik (its chance to be reached and accepted), which only falls with k, so for any number
-    of rows the best drafts take the rows of the largest such terms: rows are added in that order,
-    and the count with the best ratio is kept. A large batch's one-token rows already fill the
-    matrix units, so its extra rows cost more than they are likely to return: no drafts at all."""
+def share_rows(rates: Sequence[Sequence[float]], lengths: Sequence[int], k_min: Sequence[int],
+               pass_time: Callable[[Sequence[int]], float]) -> list[int]:
+    """Draft lengths for sequences that share one target decode (a batched step): k_i in
+    [min(k_min[i], lengths[i]), lengths[i]] with the most expected tokens per second of the decode,
+    (n + sum_i (E_i(k_i) - 1)) / pass_time(k), n = len(lengths); rates[i]: sequence i's
+    per-position acceptance (at least lengths[i] long); pass_time(k): seconds of the decode where
+    sequence i verifies 1 + k_i rows (llama.cpp's ubatches of it: ubatch_rows). Each sequence's next
+    token adds a_i1..a_ik (its chance to be reached and accepted), which only falls with k; rows are
+    added in that order, largest first, and the count with the best ratio is kept. A draft longer
+    than its neighbours' is a ubatch of its own, which costs about a plain step more, and a large
+    batch's one-token rows already fill the matrix units: there, no drafts at all."""
     n = len(lengths)
+    if n == 0:
+        return []
     k0 = [min(m, ln) for m, ln in zip(k_min, lengths, strict=True)]
     k = list(k0)
     p = [float(np.prod(rates[i][:k[i]])) for i in range(n)]
     e = n + sum(sum(float(np.prod(rates[i][:j + 1])) for j in range(k[i])) for i in range(n))
-    rows = base_rows + sum(k)
     heap = [(-p[i] * rates[i][k[i]], i) for i in range(n) if k[i] < lengths[i]]
     heapq.heapify(heap)
-    best, n_best, order = e / cost.at(rows), 0, []
+    best, n_best, order = e / pass_time(k), 0, []
     while heap:
         m, i = heapq.heappop(heap)
-        e, rows = e - m, rows + 1
+        e = e - m
         p[i], k[i] = -m, k[i] + 1
         order.append(i)
-        if e / cost.at(rows) > best * (1 + 1e-9):
-            best, n_best = e / cost.at(rows), len(order)
+        ratio = e / pass_time(k)
+        if ratio > best * (1 + 1e-9):
+            best, n_best = ratio, len(order)
         if k[i] < lengths[i] and p[i] > 0:
             heapq.heappush(heap, (-p[i] * rates[i][k[i]], i))
     out = k0

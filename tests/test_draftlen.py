@@ -17,6 +17,7 @@ from specrun.kernels.draftlen import (
     expected_tokens,
     score_shadow,
     share_rows,
+    ubatch_rows,
 )
 
 
@@ -311,16 +312,27 @@ def test_a_held_back_free_drafter_is_asked_every_few_steps():
     assert HELD_SHARE == 0.01
 
 
+def one_pass(c: PassCost):
+    """pass_time for share_rows when every row shares one ubatch: t(all rows)."""
+    return lambda ks: c.at(len(ks) + sum(ks))
+
+
+def streams(c: PassCost, sids=None):
+    """pass_time for share_rows as llama.cpp runs a decode over a KV stream per sequence: the sum
+    of its ubatches (sequence ids 0..n-1 unless given)."""
+    return lambda ks: c.split_at(ubatch_rows([(i, 1 + k) for i, k in zip(sids or range(len(ks)), ks, strict=True)], 512))
+
+
 def test_one_sequence_shares_rows_as_best_length_cuts():
     """Alone in a step, share_rows picks best_length's draft (its own row is the base row)."""
     for a in (1.0, 0.9, 0.6, 0.2):
         rates = [a] * 16
-        assert share_rows([rates], [16], [0], xeon(), 1) == [best_length(rates, xeon(), 16, 0)]
+        assert share_rows([rates], [16], [0], streams(xeon())) == [best_length(rates, xeon(), 16, 0)]
 
 
 def test_rows_go_to_the_likeliest_copies_first():
     """Two sure copies and an unlikely one: the sure ones get rows, the unlikely one none."""
-    k = share_rows([[1.0] * 8, [1.0] * 8, [0.1] * 8], [8, 8, 8], [0, 0, 0], xeon(), 3)
+    k = share_rows([[1.0] * 8, [1.0] * 8, [0.1] * 8], [8, 8, 8], [0, 0, 0], one_pass(xeon()))
     assert k[0] > 0 and k[1] > 0 and k[2] == 0
 
 
@@ -332,16 +344,54 @@ def test_drafts_shrink_as_the_batch_grows_and_stop_at_a_large_one():
         c.record(r, (77.3 + (r - 17) * 3.9) / 1e3)
     each = []
     for n in (1, 2, 4, 8, 16):
-        k = share_rows([[0.7] * 16] * n, [16] * n, [0] * n, c, n)
+        k = share_rows([[0.7] * 16] * n, [16] * n, [0] * n, one_pass(c))
         each.append(max(k))
     assert each == sorted(each, reverse=True) and each[0] > each[-1]
-    assert share_rows([[0.2] * 16] * 16, [16] * 16, [0] * 16, c, 16) == [0] * 16
+    assert share_rows([[0.2] * 16] * 16, [16] * 16, [0] * 16, one_pass(c)) == [0] * 16
 
 
 def test_a_model_drafter_keeps_its_least_row():
     """k_min 1 (a model drafter, which learns only from drafts verified) keeps one row even when
     its rate says none pays; a proposal shorter than k_min is all it gets."""
-    assert share_rows([[0.0] * 4, [0.0] * 4], [4, 0], [1, 1], xeon(), 2) == [1, 0]
+    assert share_rows([[0.0] * 4, [0.0] * 4], [4, 0], [1, 1], streams(xeon())) == [1, 0]
+
+
+def test_ubatches_follow_llamas_split_over_kv_streams():
+    """llama_batch_allocr::split_equal(sequential): consecutive sequence ids, equal rows from each."""
+    assert ubatch_rows([(0, 1), (1, 1), (2, 1), (3, 1)], 512) == [4]
+    assert ubatch_rows([(0, 1), (2, 1), (3, 1)], 512) == [1, 2]          # a gap: two ubatches
+    assert ubatch_rows([(0, 1), (1, 5), (2, 1)], 512) == [3, 4]          # a draft past the others
+    assert ubatch_rows([(0, 5), (1, 5)], 512) == [10]                    # equal drafts: one
+    assert ubatch_rows([(1, 2), (2, 9), (3, 1)], 512) == [3, 2, 7]
+    assert ubatch_rows([(0, 600)], 512) == [512, 88]
+    assert ubatch_rows([(0, 300), (1, 300)], 512) == [512, 88]
+    assert ubatch_rows([(0, 0), (1, 3)], 512) == [3]
+
+
+def test_a_lone_draft_beside_many_plain_rows_is_a_ubatch_of_its_own():
+    """Eight sequences, one with a copy right 90 % of the time: counted as rows of one pass, four
+    rows pay; as llama.cpp runs them (a second ubatch, a whole pass more) none do. Two sure copies
+    side by side draft alike, so that their rows share one ubatch."""
+    c = xeon()
+    rates = [[0.9] * 16] + [[0.0] * 16] * 7
+    lengths = [16] + [0] * 7
+    assert share_rows(rates, lengths, [0] * 8, one_pass(c))[0] > 0
+    assert share_rows(rates, lengths, [0] * 8, streams(c)) == [0] * 8
+    k = share_rows([[1.0] * 8] * 2, [8, 8], [0, 0], streams(c))
+    assert k[0] == k[1] > 0
+    assert share_rows([[1.0] * 8] * 2, [8, 8], [0, 0], streams(c, [0, 2])) != [0, 0]   # apart: each its own
+
+
+def test_a_split_decode_moves_the_level_not_the_curve():
+    """A decode that ran as two ubatches says nothing of one pass of all its rows: t(8) keeps what
+    one-ubatch passes said; the level follows its time."""
+    c = cost(0.01, 0.001)
+    t8 = c.at(8)
+    c.record_split([4, 4], 2 * c.at(4))               # as predicted: nothing moves
+    assert c.at(8) == pytest.approx(t8)
+    c.record_split([4, 4], 4 * c.at(4))               # twice the prediction: the level rises
+    assert c.at(8) > t8 and c.at(8) / c.at(1) == pytest.approx(t8 / cost(0.01, 0.001).at(1))
+    assert c.split_at([4, 4]) == pytest.approx(2 * c.at(4))
 
 
 # ---- in the engine ---------------------------------------------------------------------------
