@@ -5,6 +5,7 @@
         admit queued requests into free sequences (their KV reused, or a shared prefix copied)
         drafts: each generating sequence's proposal, cut to the rows that pay (draftlen.share_rows)
         rows = for each active sequence: a prompt chunk, or [id_last, d1..dk] (its draft, k may be 0)
+        the active sequences' KV streams side by side (_compact: llama.cpp's ubatches need it)
         ONE llama_decode of all rows (prompt chunks of 64+ rows: a decode of their own, see below)
         per sequence: verify its rows, roll back what was rejected, tell its drafters, emit
         -> [(handle, new tokens)]
@@ -103,6 +104,7 @@ class BatchParams:
     draft_rows: int | None = None
     draft_model: str | None = None   # -md for draft-simple
     share_min: int = SHARE_MIN
+    compact: bool = True        # keep the active sequences' KV streams side by side (_compact; 3+ sequences)
     fast_prefill: bool = False  # prompts of MIN_PROMPT+ tokens through the fast prompt context (as the Engine's)
 
 
@@ -156,6 +158,7 @@ class _Seq:
 
     def __init__(self, sid: int) -> None:
         self.sid = sid
+        self.stream = sid                  # its KV stream: llama.cpp's sequence id (BatchEngine._compact moves it)
         self.kv: list[int] = []
         self.h: Handle | None = None
         self.drafter_cache: dict[tuple, Drafter] = {}
@@ -208,10 +211,13 @@ class BatchEngine:
         self.ctx: Context | None = None
         self.prefill: FastPrefill | PrefillWorker | PrefillHandle | None = prefill
         try:
+            # 3+ sequences can leave a gap between the active ones: a spare stream to close it (_compact)
+            self.spare = params.n_seq if params.compact and params.n_seq >= 3 else None
+            n_streams = params.n_seq + (self.spare is not None)
             self.ctx = Context(self.model, ContextParams(
-                n_ctx=params.n_ctx_seq * params.n_seq, n_batch=params.n_batch, n_ubatch=params.n_ubatch,
-                n_threads=params.n_threads, n_seq_max=params.n_seq, kv_unified=False))
-            self.n_ctx_seq = self.ctx.n_ctx // params.n_seq   # llama.cpp rounds n_ctx up (to 256)
+                n_ctx=params.n_ctx_seq * n_streams, n_batch=params.n_batch, n_ubatch=params.n_ubatch,
+                n_threads=params.n_threads, n_seq_max=n_streams, kv_unified=False))
+            self.n_ctx_seq = self.ctx.n_ctx // n_streams   # llama.cpp rounds n_ctx up (to 256)
             if params.fast_prefill and prefill is None and not self.model.recurrent:
                 self.prefill = (PrefillWorker if uses_worker(self.model) else FastPrefill)(
                     self.model, self.n_ctx_seq, params.n_threads, self.ctx.kv_rot, self.ctx.k_type)
@@ -225,6 +231,7 @@ class BatchEngine:
         self.pass_cost = PassCost()     # t(rows) of the shared decodes (share_rows), probed once
         self.probed = False
         self.n_stepped = 0              # sequences the last step advanced (their rows decoded)
+        self.n_moves = 0                # sequences moved to another stream (_compact)
         self._queue: deque[Handle] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -363,7 +370,7 @@ class BatchEngine:
             s.wait = (src.sid, best) if src is not None else None
 
     def _trim(self, s: _Seq, keep: int) -> None:
-        if len(s.kv) > keep and not self.ctx.seq_rm_of(s.sid, keep, -1):
+        if len(s.kv) > keep and not self.ctx.seq_rm_of(s.stream, keep, -1):
             raise LlamaError(f"could not roll sequence {s.sid} back to {keep} tokens")
         del s.kv[keep:]
 
@@ -379,8 +386,8 @@ class BatchEngine:
             if src.fast_n:
                 s.wait = None        # it took a fast prompt since: evaluate it here
             elif have >= n:
-                self.ctx.seq_cp(src.sid, s.sid)
-                if not self.ctx.seq_rm_of(s.sid, n, -1):
+                self.ctx.seq_cp(src.stream, s.stream)
+                if not self.ctx.seq_rm_of(s.stream, n, -1):
                     raise LlamaError(f"could not trim sequence {s.sid}'s copied prefix to {n} tokens")
                 s.kv = src.kv[:n]
                 for d in s.drafters:   # the drafters follow the copied rows (no hidden rows: none read them)
@@ -446,13 +453,14 @@ class BatchEngine:
                 spare -= len(chunk)
         if not rows:
             return out
-        rows.sort(key=lambda r: r[0].sid)         # llama.cpp's ubatches span consecutive sequence ids only
+        self._compact()                           # before the decode, which makes its copies
+        rows.sort(key=lambda r: r[0].stream)      # llama.cpp's ubatches span consecutive sequence ids only
         self.n_stepped += len(rows)
         toks, pos, seqs, outs = [], [], [], []
         for s, t, p0, all_out, *_ in rows:
             toks += t
             pos += range(p0, p0 + len(t))
-            seqs += [s.sid] * len(t)
+            seqs += [s.stream] * len(t)
             last = len(s.kv) + len(t) == len(s.prompt)
             outs += [True] * len(t) if all_out else [False] * (len(t) - 1) + [last]
         t0 = time.perf_counter()
@@ -464,7 +472,7 @@ class BatchEngine:
                     vp.close()
                 self._fail(s, e, out)
             return out
-        self.pass_cost.record_split(ubatch_rows([(s.sid, len(t)) for s, t, *_ in rows], self.ctx.n_ubatch),
+        self.pass_cost.record_split(ubatch_rows([(s.stream, len(t)) for s, t, *_ in rows], self.ctx.n_ubatch),
                                     time.perf_counter() - t0)
         logits = self.ctx.outputs_rows()          # float32 [n_outputs, n_vocab], batch order
         i = 0
@@ -482,6 +490,37 @@ class BatchEngine:
                         vp.close()
         return out
 
+    def _compact(self) -> None:
+        """The sequences with a request on consecutive streams. llama.cpp's ubatches take
+        consecutive sequence ids only (ubatch_rows), so a gap between two of them would cost every
+        step a pass more. Each one outside the window that holds most of them trades streams with
+        an idle sequence inside it, KV and all: whole-stream copies through the spare stream, which
+        llama.cpp makes at the next decode (so step() calls this just before its decode; nothing
+        writes a stream in between). The bytes and cells move as they are, so every row after it
+        is computed as before."""
+        if self.spare is None:
+            return
+        act = sorted(s.stream for s in self.seqs if s.h is not None)
+        n = len(act)
+        if n == 0 or act[-1] - act[0] + 1 == n:
+            return
+        lo = max(range(self.params.n_seq - n + 1), key=lambda w: sum(w <= x < w + n for x in act))
+        at = {s.stream: s for s in self.seqs}
+        away = [s for s in self.seqs if s.h is not None and not lo <= s.stream < lo + n]
+        holes = [at[x] for x in range(lo, lo + n) if at[x].h is None]
+        for a, b in zip(away, holes, strict=True):
+            if a.kv and b.kv:             # a's KV to the spare, b's to a's stream, a's to b's
+                self.ctx.seq_cp(a.stream, self.spare)
+                self.ctx.seq_cp(b.stream, a.stream)
+                self.ctx.seq_cp(self.spare, b.stream)
+                self.ctx.seq_rm_of(self.spare, -1, -1)
+            elif a.kv or b.kv:            # one copy: the one that holds KV to the other's stream
+                src, dst = (a, b) if a.kv else (b, a)
+                self.ctx.seq_cp(src.stream, dst.stream)
+                self.ctx.seq_rm_of(src.stream, -1, -1)
+            a.stream, b.stream = b.stream, a.stream
+            self.n_moves += 1
+
     def _room(self, s: _Seq) -> int:
         """The longest draft sequence s may verify now: tokens left, cells left, exact mode's cap."""
         n_past = len(s.text) - 1
@@ -497,7 +536,7 @@ class BatchEngine:
         cands = [self._candidate(s, min(self._room(s), room)) for s in gen]
         if not self.probed and any(len(c[1]) for c in cands):
             self._probe(gen)
-        sids = [s.sid for s in gen]
+        sids = [s.stream for s in gen]
         ks = share_rows([c[0] for c in cands], [len(c[1]) for c in cands], [c[2] for c in cands],
                         lambda k: self.pass_cost.split_at(ubatch_rows(
                             [(sid, 1 + ki) for sid, ki in zip(sids, k, strict=True)], self.ctx.n_ubatch)))
@@ -543,9 +582,9 @@ class BatchEngine:
         for _ in range(2):
             for r, ts in times.items():
                 t = time.perf_counter()
-                self.ctx.decode_seqs(fill[:r], range(n, n + r), [s.sid] * r, [True] * r)
+                self.ctx.decode_seqs(fill[:r], range(n, n + r), [s.stream] * r, [True] * r)
                 ts.append(time.perf_counter() - t)
-                if not self.ctx.seq_rm_of(s.sid, n, -1):
+                if not self.ctx.seq_rm_of(s.stream, n, -1):
                     raise LlamaError(f"could not remove {r} probing rows of sequence {s.sid} at {n}")
         self.pass_cost.add(curve_of(times, n, fastest=True))   # as the Engine's probe
 
@@ -569,7 +608,7 @@ class BatchEngine:
     def _prompt_chunk(self, s: _Seq, chunk: list[int], lo: int, out: list) -> None:
         last = lo + len(chunk) == len(s.prompt)
         try:
-            self.ctx.decode_seqs(chunk, range(lo, lo + len(chunk)), [s.sid] * len(chunk),
+            self.ctx.decode_seqs(chunk, range(lo, lo + len(chunk)), [s.stream] * len(chunk),
                                  [False] * (len(chunk) - 1) + [last])
         except LlamaError as e:
             self._fail(s, e, out)
@@ -608,7 +647,7 @@ class BatchEngine:
                 state = self.prefill.state(s.prompt, lambda: h.cancelled)
                 if state is None:
                     return
-                self.ctx.state_set(state, s.sid)
+                self.ctx.state_set(state, s.stream)
             except SpecrunError as e:
                 log.warning("fast prompt evaluation is off for this model: %s", e)
                 self.prefill.close()
@@ -641,7 +680,7 @@ class BatchEngine:
             tp = TargetPass(np.asarray(batch, dtype=np.int32), n_past, n_keep, None)
             for d in s.drafters:
                 d.accept(tp)
-        if n_keep < k + 1 and not self.ctx.seq_rm_of(s.sid, n_past + n_keep, -1):
+        if n_keep < k + 1 and not self.ctx.seq_rm_of(s.stream, n_past + n_keep, -1):
             raise LlamaError(f"could not roll sequence {s.sid} back to {n_past + n_keep} tokens")
         s.kv.extend(batch[:n_keep])
         st = s.h.stats
@@ -684,7 +723,7 @@ class BatchEngine:
     def _fail(self, s: _Seq, e: LlamaError, out: list) -> None:
         """A decode with s's rows failed: its request ends with stop "error" (handle.error says why);
         the KV past what s held is dropped, in case llama.cpp kept any."""
-        self.ctx.seq_rm_of(s.sid, len(s.kv), -1)
+        self.ctx.seq_rm_of(s.stream, len(s.kv), -1)
         s.h.error = str(e)
         out.append((s.h, []))
         self._finish(s, "error")
@@ -724,7 +763,7 @@ class BatchEngine:
                 s.h.error = str(err)
                 out.append((s.h, []))
                 self._finish(s, "error")
-            self.ctx.seq_rm_of(s.sid, -1, -1)
+            self.ctx.seq_rm_of(s.stream, -1, -1)
             s.kv, s.fast_n, s.fast_logits = [], 0, None
         with self._lock:
             queued = list(self._queue)

@@ -201,6 +201,41 @@ def test_shared_prefix_equals_evaluating_it_per_sequence(smol):
     assert texts[0] == texts[1]
 
 
+def _gap_closed(model: Model, refs: Refs) -> None:
+    """Three sequences, the middle one's request ends first: the last sequence moves, mid-generation
+    and with drafts in flight, to the stream next to the first (llama.cpp's ubatches take
+    consecutive ids only), trading streams with the idle one, KV and all. Every text equals its
+    request alone, and the idle sequence then reuses its own KV from the stream it moved to."""
+    prompts = [model.tokenize(t) for t in TEXTS[:3]]
+    n = [20, 3, 20]
+    oracle = OracleDraft(refs(prompts[2], n[2], GREEDY), len(prompts[2]))
+    reqs = [Request(prompts[0], n[0], GREEDY, MATCH, seq=0), Request(prompts[1], n[1], GREEDY, MATCH, seq=1),
+            Request(prompts[2], n[2], GREEDY, replace(MATCH, n_max=4), [oracle], seq=2)]
+    with BatchEngine(model.path, BatchParams(n_seq=3, n_ctx_seq=256), model=model) as b:
+        hs = b.run(reqs)
+        assert b.n_moves == 1 and [s.stream for s in b.seqs] == [0, 2, 1]
+        assert hs[2].stats.n_accepted > 0
+        again = b.run([Request(prompts[1], 6, GREEDY, MATCH, seq=1)])[0]
+        assert again.stats.n_prompt == 1                  # its KV came back with it
+    for h, r in zip([*hs, again], [*reqs, Request(prompts[1], 6)], strict=True):
+        assert h.tokens == refs(r.prompt, r.n_predict, GREEDY)
+
+
+def test_a_gap_between_active_sequences_is_closed_and_each_text_equals_alone(smol):
+    _gap_closed(*smol)
+
+
+@pytest.mark.full
+def test_a_gap_is_closed_on_a_sliding_window_model(gemma_path):
+    """Gemma 3 keeps a sliding-window cache beside the full one: both move."""
+    with Model(gemma_path) as model:
+        refs = Refs(model)
+        try:
+            _gap_closed(model, refs)
+        finally:
+            refs.engine.close()
+
+
 def test_bad_requests_are_refused_before_any_work(smol):
     model, _ = smol
     with BatchEngine(model.path, BatchParams(n_seq=1, n_ctx_seq=256), model=model) as b:

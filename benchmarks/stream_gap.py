@@ -1,0 +1,98 @@
+"""Busy slots with an idle one between them: their KV streams side by side or not (issue 49).
+
+    python benchmarks/stream_gap.py [--models gemma-3-270m,smollm2-135m-instruct] [-t 2] [-n 64]
+        [--reps 3] [--out benchmarks/results/stream_gap.json]
+
+llama.cpp splits a decode over a KV stream per sequence into ubatches of consecutive sequence ids
+(draftlen.ubatch_rows), so busy slots 0 and 2 with slot 1 idle cost a pass each per step. The
+batched engine moves the busy sequences' streams side by side (BatchEngine._compact). Here the
+same requests, pinned to slots with gaps between them (as a server's slots are, each request
+going to the slot that holds its prefix), run with that on (`compact`) and off (`gap`), the two
+alternating within each rep. The idle slots hold a cached prompt first, so a move trades two
+streams. Greedy, spec none; tok/s counts all generated tokens over the run's wall time (prompts
+of about 10 tokens included, alike in both). The texts must be equal both ways.
+Writes the JSON and a markdown table next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specrun.gguf_spec.registry import resolve_model
+from specrun.kernels.batch import BatchEngine, BatchParams, Request
+from specrun.kernels.llama import Model
+from specrun.kernels.types import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temp=0.0)
+TEXTS = ["The history of the city begins", "def parse(line):\n    fields =", "Dear committee, I am writing to",
+         "The three laws of motion state that"]
+LAYOUTS = ((4, (0, 2)), (6, (0, 2, 4)), (8, (1, 4, 7)))    # (slots, the busy ones)
+
+
+def one_run(model: Model, n_seq: int, busy: tuple[int, ...], compact: bool, n: int, threads: int
+            ) -> tuple[float, list[list[int]], int]:
+    """(seconds, texts, streams moved) of the busy slots' requests, after every slot cached a prompt."""
+    params = BatchParams(n_seq=n_seq, n_ctx_seq=512, n_threads=threads, compact=compact)
+    with BatchEngine(model.path, params, model=model) as b:
+        b.run([Request(model.tokenize("An unrelated prompt, cached."), 2, GREEDY, seq=i) for i in range(n_seq)])
+        b.n_moves = 0
+        reqs = [Request(model.tokenize(TEXTS[j % len(TEXTS)]), n, GREEDY, seq=s) for j, s in enumerate(busy)]
+        t0 = time.perf_counter()
+        hs = b.run(reqs)
+        return time.perf_counter() - t0, [h.tokens for h in hs], b.n_moves
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="gemma-3-270m,smollm2-135m-instruct")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/stream_gap.json"))
+    args = ap.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        model = Model(resolve_model(name), exact=True)
+        for n_seq, busy in LAYOUTS:
+            secs: dict[bool, list[float]] = {True: [], False: []}
+            texts, moves = {}, 0
+            for rep in range(args.reps):
+                for compact in ((True, False) if rep % 2 == 0 else (False, True)):
+                    s, t, m = one_run(model, n_seq, busy, compact, args.n_predict, args.threads)
+                    secs[compact].append(s)
+                    texts.setdefault(compact, t)
+                    moves = max(moves, m) if compact else moves
+            n_tok = sum(len(t) for t in texts[True])
+            r = {"model": name, "slots": n_seq, "busy": list(busy), "tokens": n_tok, "moves": moves,
+                 "compact_s": secs[True], "gap_s": secs[False],
+                 "compact_tok_s": n_tok / statistics.median(secs[True]),
+                 "gap_tok_s": n_tok / statistics.median(secs[False]),
+                 "texts_equal": texts[True] == texts[False]}
+            r["ratio"] = r["compact_tok_s"] / r["gap_tok_s"]
+            print(r, flush=True)
+            rows.append(r)
+        model.close()
+    out = Path(args.out)
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "threads": args.threads,
+            "n_predict": args.n_predict, "reps": args.reps}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = ["# Busy slots with idle ones between them (benchmarks/stream_gap.py)", "",
+             f"{meta['date']}, {args.threads} threads, exact mode, greedy, spec none, {args.n_predict} tokens a "
+             f"request, median of {args.reps} reps (the two ways alternating). `gap`: the busy slots' KV streams "
+             "stay where they are; `compact`: they are moved side by side (BatchEngine._compact).", "",
+             "| model | slots | busy | gap tok/s | compact tok/s | compact / gap | streams moved | texts equal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['slots']} | {', '.join(map(str, r['busy']))} | {r['gap_tok_s']:.1f} | "
+                     f"{r['compact_tok_s']:.1f} | {r['ratio']:.2f} | {r['moves']} | {r['texts_equal']} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
