@@ -29,7 +29,7 @@ LLAMA_BUILD_OK := import glob, os, re, sys, llama_cpp as L; \
 	         or any((k in have) != (v == 'ON') for k, v in want.items() if k in shown))
 RUN_ARGS ?= -m $(MODEL) --spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-adaptive -n 128 --temp 0 -f $(PROMPT_FILE)
 
-.PHONY: install run test test-full test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-pass-times bench-rpc bench-peers bench-exact-peers bench-same-text bench-slots bench-prompt-kernels bench-server-loop bench-serve-load bench-suffix peers-server lint clean
+.PHONY: install run test test-full test-fast bench bench-draft-length bench-draft-length-replay bench-copy-bound bench-pass-times bench-rpc bench-peers bench-exact-peers bench-same-text bench-slots bench-prompt-kernels bench-server-loop bench-serve-load bench-stream-gap bench-suffix peers-server lint clean
 
 install: $(STAMP)
 
@@ -131,6 +131,10 @@ bench-server-loop: install
 # specrun serve (-cb and -nocb) beside llama-server at 1, 2, 4 and 8 clients (issue 49)
 bench-serve-load: install $(LLAMA_SERVER)
 	$(BIN)/python benchmarks/serve_load.py --docs
+
+# busy slots with idle ones between them: their KV streams side by side or not (issue 49)
+bench-stream-gap: install
+	$(BIN)/python benchmarks/stream_gap.py
 
 # suffix beside the n-gram types and llama-server on sessions where earlier answers recur (issue 50)
 bench-suffix: install $(LLAMA_SERVER)
