@@ -11,6 +11,8 @@ going to the slot that holds its prefix), run with that on (`compact`) and off (
 alternating within each rep. The idle slots hold a cached prompt first, so a move trades two
 streams. Greedy, spec none; tok/s counts all generated tokens over the run's wall time (prompts
 of about 10 tokens included, alike in both). The texts must be equal both ways.
+A move copies whole streams, so its cost grows with the context: the second table times the
+step that admits the request which opens a gap, with and without the move, at several -c.
 Writes the JSON and a markdown table next to it.
 """
 
@@ -48,15 +50,34 @@ def one_run(model: Model, n_seq: int, busy: tuple[int, ...], compact: bool, n: i
         return time.perf_counter() - t0, [h.tokens for h in hs], b.n_moves
 
 
+def admit_step(model: Model, ctx: int, compact: bool, threads: int) -> tuple[float, float]:
+    """(seconds of the step that admits a request to slot 2 beside a busy slot 0, the median of the
+    plain steps after it) with slot 1 idle and holding KV: with compact, that step moves a stream."""
+    params = BatchParams(n_seq=4, n_ctx_seq=ctx, n_threads=threads, compact=compact)
+    with BatchEngine(model.path, params, model=model) as b:
+        b.run([Request(model.tokenize(f"Cached text number {i}."), 2, GREEDY, seq=i) for i in range(4)])
+        hs = [b.submit(Request(model.tokenize(TEXTS[0]), 24, GREEDY, seq=0))]
+        for _ in range(8):
+            b.step()
+        hs.append(b.submit(Request(model.tokenize(TEXTS[2]), 16, GREEDY, seq=2)))
+        times = []
+        while not all(h.done for h in hs):
+            t0 = time.perf_counter()
+            b.step()
+            times.append(time.perf_counter() - t0)
+        return times[0], statistics.median(times[1:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gemma-3-270m,smollm2-135m-instruct")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--move-ctx", default="2048,8192,32768", help="contexts of a slot for the move's cost")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/stream_gap.json"))
     args = ap.parse_args()
-    rows = []
+    rows, move_rows = [], []
     for name in args.models.split(","):
         model = Model(resolve_model(name), exact=True)
         for n_seq, busy in LAYOUTS:
@@ -77,11 +98,22 @@ def main() -> None:
             r["ratio"] = r["compact_tok_s"] / r["gap_tok_s"]
             print(r, flush=True)
             rows.append(r)
+        for ctx in map(int, args.move_ctx.split(",")):
+            got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+            for rep in range(args.reps):
+                for compact in ((True, False) if rep % 2 == 0 else (False, True)):
+                    got[compact].append(admit_step(model, ctx, compact, args.threads))
+            m = {"model": name, "ctx": ctx, "move_step_s": statistics.median(a for a, _ in got[True]),
+                 "admit_step_s": statistics.median(a for a, _ in got[False]),
+                 "plain_compact_s": statistics.median(p for _, p in got[True]),
+                 "plain_gap_s": statistics.median(p for _, p in got[False])}
+            print(m, flush=True)
+            move_rows.append(m)
         model.close()
     out = Path(args.out)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "threads": args.threads,
             "n_predict": args.n_predict, "reps": args.reps}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "moves": move_rows}, indent=1) + "\n")
     lines = ["# Busy slots with idle ones between them (benchmarks/stream_gap.py)", "",
              f"{meta['date']}, {args.threads} threads, exact mode, greedy, spec none, {args.n_predict} tokens a "
              f"request, median of {args.reps} reps (the two ways alternating). `gap`: the busy slots' KV streams "
@@ -91,6 +123,13 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['model']} | {r['slots']} | {', '.join(map(str, r['busy']))} | {r['gap_tok_s']:.1f} | "
                      f"{r['compact_tok_s']:.1f} | {r['ratio']:.2f} | {r['moves']} | {r['texts_equal']} |")
+    lines += ["", "The step that admits the request to slot 2 (slot 0 busy, slot 1 idle with KV): with the move "
+              "(`compact`) and without (`gap`), and the plain steps after it (medians, ms):", "",
+              "| model | -c | admitting step, gap | admitting step, compact | plain step, gap | plain step, compact |",
+              "|---|---|---|---|---|---|"]
+    for m in move_rows:
+        lines.append(f"| {m['model']} | {m['ctx']} | {1e3 * m['admit_step_s']:.0f} | {1e3 * m['move_step_s']:.0f} | "
+                     f"{1e3 * m['plain_gap_s']:.0f} | {1e3 * m['plain_compact_s']:.0f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
