@@ -19,8 +19,8 @@ Writes the JSON and a markdown table next to it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,6 +29,9 @@ from specrun.gguf_spec.registry import resolve_model
 from specrun.kernels.batch import BatchEngine, BatchParams, Request
 from specrun.kernels.llama import Model
 from specrun.kernels.types import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temp=0.0)
@@ -66,6 +69,28 @@ def admit_step(model: Model, ctx: int, compact: bool, threads: int) -> tuple[flo
             b.step()
             times.append(time.perf_counter() - t0)
         return times[0], statistics.median(times[1:])
+
+
+def markdown(data: dict) -> str:
+    """The two tables of a run's JSON."""
+    meta, rows, moves = data["meta"], data["rows"], data["moves"]
+    lines = ["# Busy slots with idle ones between them (benchmarks/stream_gap.py)", "",
+             f"{meta['date']}, {meta['threads']} threads, exact mode, greedy, spec none, {meta['n_predict']} tokens a "
+             f"request, median of {meta['reps']} reps (the two ways alternating). `gap`: the busy slots' KV streams "
+             "stay where they are; `compact`: they are moved side by side (BatchEngine._compact).", "",
+             "| model | slots | busy | gap tok/s | compact tok/s | compact / gap | streams moved | texts equal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['slots']} | {', '.join(map(str, r['busy']))} | {r['gap_tok_s']:.1f} | "
+                     f"{r['compact_tok_s']:.1f} | {r['ratio']:.2f} | {r['moves']} | {r['texts_equal']} |")
+    lines += ["", "The step that admits the request to slot 2 (slot 0 busy, slot 1 idle with KV): with the move "
+              "(`compact`) and without (`gap`), and the plain steps after it (medians, ms):", "",
+              "| model | -c | admitting step, gap | admitting step, compact | plain step, gap | plain step, compact |",
+              "|---|---|---|---|---|---|"]
+    for m in moves:
+        lines.append(f"| {m['model']} | {m['ctx']} | {1e3 * m['admit_step_s']:.0f} | {1e3 * m['move_step_s']:.0f} | "
+                     f"{1e3 * m['plain_gap_s']:.0f} | {1e3 * m['plain_compact_s']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -110,27 +135,10 @@ def main() -> None:
             print(m, flush=True)
             move_rows.append(m)
         model.close()
-    out = Path(args.out)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "threads": args.threads,
             "n_predict": args.n_predict, "reps": args.reps}
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "moves": move_rows}, indent=1) + "\n")
-    lines = ["# Busy slots with idle ones between them (benchmarks/stream_gap.py)", "",
-             f"{meta['date']}, {args.threads} threads, exact mode, greedy, spec none, {args.n_predict} tokens a "
-             f"request, median of {args.reps} reps (the two ways alternating). `gap`: the busy slots' KV streams "
-             "stay where they are; `compact`: they are moved side by side (BatchEngine._compact).", "",
-             "| model | slots | busy | gap tok/s | compact tok/s | compact / gap | streams moved | texts equal |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['slots']} | {', '.join(map(str, r['busy']))} | {r['gap_tok_s']:.1f} | "
-                     f"{r['compact_tok_s']:.1f} | {r['ratio']:.2f} | {r['moves']} | {r['texts_equal']} |")
-    lines += ["", "The step that admits the request to slot 2 (slot 0 busy, slot 1 idle with KV): with the move "
-              "(`compact`) and without (`gap`), and the plain steps after it (medians, ms):", "",
-              "| model | -c | admitting step, gap | admitting step, compact | plain step, gap | plain step, compact |",
-              "|---|---|---|---|---|---|"]
-    for m in move_rows:
-        lines.append(f"| {m['model']} | {m['ctx']} | {1e3 * m['admit_step_s']:.0f} | {1e3 * m['move_step_s']:.0f} | "
-                     f"{1e3 * m['plain_gap_s']:.0f} | {1e3 * m['plain_compact_s']:.0f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    data = {"meta": meta, "rows": rows, "moves": move_rows}
+    write_results(args.out, data, markdown(data))
 
 
 if __name__ == "__main__":
