@@ -51,6 +51,7 @@ from peers import (
 )
 
 EXACT_FLAGS = ("-nr", "-ctk", "q8_0")
+EXACT_ENV = ("env", "GGML_CPU_TILED_MM=0")     # env execs: the pid stays the server's
 SYSTEMS = ("specrun", "llama-server", "llama-server exact")
 # where the peers run at b056f7d found llama-server's `none` text different from specrun's
 DEFAULT_WORKLOADS = ("free", "code-rewrite", "verbatim", "json-table", "chat-reuse", "code-rewrite-smollm2")
@@ -61,7 +62,7 @@ def command(system: str, model: str, path: str, setting: Setting, args) -> list[
     if system != "llama-server exact":
         return server_command(system, model, path, setting, free_port(), args)
     server, m, p, *rest = server_command("llama-server", model, path, setting, free_port(), args)
-    return ["env", "GGML_CPU_TILED_MM=0", server, m, p, *EXACT_FLAGS, *rest]   # env execs: the pid stays the server's
+    return [*EXACT_ENV, server, m, p, *EXACT_FLAGS, *rest]
 
 
 def run(args) -> list[dict]:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from exact_peers import EXACT_ENV, EXACT_FLAGS  # noqa: E402
 from peers import (  # noqa: E402
     DOCS,
     LOGS,
@@ -74,8 +75,10 @@ from peers import (  # noqa: E402
 )
 
 # specrun-nocb: specrun serve -nocb, an engine per slot with the threads divided (serve's -np before the
-# batched decode); at 1 client it is the same server as specrun's, so it runs from 2 clients on
-SYSTEMS = ("specrun", "specrun-nocb", "llama-server")
+# batched decode); at 1 client it is the same server as specrun's, so it runs from 2 clients on.
+# llama-server-exact: llama-server with exact mode's flags (exact_peers.py): what exactness costs it.
+SYSTEMS = ("specrun", "specrun-nocb", "llama-server", "llama-server-exact")
+DEFAULT_SYSTEMS = SYSTEMS[:3]
 MODELS = ("gemma-3-270m", "smollm2-135m-instruct")
 # peers.py's `ngram-simple n3 m16`: llama-server's fastest n-gram setting on 6 of its 9 workloads (peers.md)
 SETTINGS = {
@@ -161,7 +164,9 @@ def server_command(system: str, model: str, path: str, setting: str, clients: in
     if system.startswith("specrun"):
         nocb = ["-nocb"] if system == "specrun-nocb" else []
         return [args.specrun, "serve", "-m", model, "-c", str(args.ctx), *nocb, *common]
-    return [args.llama_server, "-m", path, "-t", str(args.threads), "-c", str(args.ctx * clients), *common]
+    env, flags = (EXACT_ENV, EXACT_FLAGS) if system == "llama-server-exact" else ((), ())
+    return [*env, args.llama_server, "-m", path, *flags, "-t", str(args.threads), "-c", str(args.ctx * clients),
+            *common]
 
 
 def slot_ctx(url: str) -> int | None:
@@ -239,7 +244,7 @@ def measure_cell(model: str, path: str, setting: str, clients: int, systems: lis
 def run(args, save=None) -> dict:
     commit, dirty = git_state()
     version = ""
-    if "llama-server" in args.systems:
+    if any(s.startswith("llama-server") for s in args.systems):
         v = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=60)
         version = next((ln for ln in (v.stdout + v.stderr).splitlines() if ln.startswith("version")), "")
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit, "dirty": dirty,
@@ -339,7 +344,7 @@ def table(run: dict) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = dict.fromkeys((r["model"], r["setting"], r["clients"]) for r in rows)
     for model, setting, clients in cells:
-        a, n, b = (by.get((model, setting, clients, s)) for s in SYSTEMS)
+        a, n, b = (by.get((model, setting, clients, s)) for s in DEFAULT_SYSTEMS)
         line = [model, setting, str(clients)]
         for r, cols in ((a, 4), (n, 3), (b, 4)):
             eq = r and ("—" if r["equal_alone"] is None else f"{r['equal_alone']}/{r['requests']}")
@@ -357,6 +362,7 @@ def table(run: dict) -> list[str]:
                     f"of {len(pairs)} rows" + (f" (≥ 1.2× with n-gram drafts at {sum(a['tok_s'] >= 1.2 * b['tok_s'] for a, b in spec)}"
                                                f" of {len(spec)})" if spec else "")
                 + f"; p95 no worse at {sum(a['p95_s'] <= b['p95_s'] for a, b in pairs)} of {len(pairs)}."]
+    out += exact_table(by, cells)
     out += ["", "Prompt mixes (benchmarks/prompts/, sent in this order, again from the first):"]
     out += [f"- {model}: {', '.join(Path(f).name for f in fs)}" for model, fs in m["mixes"].items()]
     ref = alone_texts(run)
@@ -379,6 +385,24 @@ def table(run: dict) -> list[str]:
     if failed:
         out.append("- Failed: " + "; ".join(f"{sv['system']} {sv['model']} {sv['setting']} -np {sv['clients']}: "
                                            f"{sv['error']}" for sv in failed) + ".")
+    return out
+
+
+def exact_table(by: dict, cells) -> list[str]:
+    """Where llama-server also ran with exact mode's flags: the three side by side."""
+    keys = [k for k in cells if (*k, "llama-server-exact") in by]
+    if not keys:
+        return []
+    out = ["", "`llama-server-exact`: llama-server with exact mode's flags (`-nr -ctk q8_0`, `GGML_CPU_TILED_MM=0`), "
+               "the kernels that make its batched rows equal its one-token rows, as specrun's are.", "",
+           "| model | setting | clients | specrun tok/s | llama-server | llama-server-exact | p95 | = alone "
+           "| specrun ÷ exact | llama-server ÷ exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for k in keys:
+        a, b, x = (by.get((*k, s)) for s in ("specrun", "llama-server", "llama-server-exact"))
+        eq = "—" if x["equal_alone"] is None else f"{x['equal_alone']}/{x['requests']}"
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {_f(a and a['tok_s'], '.1f')} | {_f(b and b['tok_s'], '.1f')} "
+                   f"| {x['tok_s']:.1f} | {x['p95_s']:.2f} | {eq} | {_f(a and a['tok_s'] / x['tok_s'], '.2f')} "
+                   f"| {_f(b and b['tok_s'] / x['tok_s'], '.2f')} |")
     return out
 
 
@@ -430,7 +454,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--specrun", default=str(Path(sys.executable).with_name("specrun")))
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MIXES)}")
     ap.add_argument("--clients", default="1,2,4,8", help="comma-separated client counts (each server: -np that)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     ap.add_argument("--reps", type=int, default=1, help="phases per server and client count")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
@@ -475,7 +499,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.from_json and not Path(args.from_json).is_file():
         ap.error(f"--from-json: no file {args.from_json}")
     if not args.from_json:
-        if "llama-server" in args.systems and not Path(args.llama_server).is_file():
+        if any(s.startswith("llama-server") for s in args.systems) and not Path(args.llama_server).is_file():
             ap.error(f"no llama-server at {args.llama_server}: `make peers-server` builds it "
                      "(or --systems specrun)")
         if "specrun" in args.systems and not Path(args.specrun).is_file():
