@@ -311,6 +311,7 @@ def summarize(run: dict) -> list[dict]:
         accepted = sum(r.get("draft_n_accepted") or 0 for r in reqs)
         rows.append({"model": model, "setting": setting, "clients": clients, "system": system,
                      "tok_s": statistics.median(p["tok_s"] for p in ps), "tok_s_all": [p["tok_s"] for p in ps],
+                     "tok_s_rep": {p["rep"]: p["tok_s"] for p in ps},
                      "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95), "requests": len(reqs),
                      "equal_alone": None if None in refs else sum(r["text_id"] == t for r, t in zip(reqs, refs,
                                                                                                      strict=True)),
@@ -322,6 +323,22 @@ def summarize(run: dict) -> list[dict]:
 
 def _f(x, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
+
+
+def paired(a: dict | None, b: dict | None) -> list[float]:
+    """a's tok/s over b's, rep by rep (the two phases of a rep ran back to back, so a drift in the
+    machine's speed between reps cancels); [] when they share no rep."""
+    if not a or not b:
+        return []
+    return [a["tok_s_rep"][r] / b["tok_s_rep"][r] for r in sorted(a["tok_s_rep"]) if r in b["tok_s_rep"]]
+
+
+def _pairs(xs: list[float]) -> str:
+    """The median of paired ratios, with their range when there are several."""
+    if not xs:
+        return "—"
+    med = f"{statistics.median(xs):.2f}"
+    return med if len(xs) == 1 else f"{med} ({min(xs):.2f}–{max(xs):.2f})"
 
 
 def table(run: dict) -> list[str]:
@@ -338,10 +355,11 @@ def table(run: dict) -> list[str]:
            "requests whose text equals the same system's text at 1 client, `none`."
            + (f" Measured again: {m['rerun']}." if m.get("rerun") else ""), "",
            "`-nocb`: specrun serve -nocb, an engine per slot (the -np before the batched decode). "
-           "`÷` columns: specrun (batched) over llama-server, and over -nocb.", "",
+           "`÷` columns: specrun (batched) over llama-server, and over -nocb. `÷ by rep`: specrun's tok/s over "
+           "llama-server's in each rep (their phases ran back to back), the median (min–max).", "",
            "| model | setting | clients | specrun tok/s | p50 | p95 | = alone | -nocb tok/s | p95 | = alone "
-           "| llama-server tok/s | p50 | p95 | = alone | tok/s ÷ | p95 ÷ | tok/s ÷ -nocb |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| llama-server tok/s | p50 | p95 | = alone | tok/s ÷ | ÷ by rep | p95 ÷ | tok/s ÷ -nocb |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = dict.fromkeys((r["model"], r["setting"], r["clients"]) for r in rows)
     for model, setting, clients in cells:
         a, n, b = (by.get((model, setting, clients, s)) for s in DEFAULT_SYSTEMS)
@@ -350,7 +368,7 @@ def table(run: dict) -> list[str]:
             eq = r and ("—" if r["equal_alone"] is None else f"{r['equal_alone']}/{r['requests']}")
             line += ([f"{r['tok_s']:.1f}", f"{r['p50_s']:.2f}", f"{r['p95_s']:.2f}", eq][4 - cols:] if cols == 4
                      else [f"{r['tok_s']:.1f}", f"{r['p95_s']:.2f}", eq]) if r else ["—"] * cols
-        line += [_f(a["tok_s"] / b["tok_s"] if a and b else None, ".2f"),
+        line += [_f(a["tok_s"] / b["tok_s"] if a and b else None, ".2f"), _pairs(paired(a, b)),
                  _f(a["p95_s"] / b["p95_s"] if a and b else None, ".2f"),
                  _f(a["tok_s"] / n["tok_s"] if a and n else None, ".2f")]
         out.append("| " + " | ".join(line) + " |")
@@ -358,9 +376,12 @@ def table(run: dict) -> list[str]:
              if (*k, "specrun") in by and (*k, "llama-server") in by]
     if pairs:
         spec = [(a, b) for a, b in pairs if a["setting"] != "none"]
+        by_rep = [statistics.median(paired(a, b)) for a, b in pairs if paired(a, b)]
         out += ["", f"Issue 49's goals: specrun's tok/s ≥ llama-server's at {sum(a['tok_s'] >= b['tok_s'] for a, b in pairs)} "
                     f"of {len(pairs)} rows" + (f" (≥ 1.2× with n-gram drafts at {sum(a['tok_s'] >= 1.2 * b['tok_s'] for a, b in spec)}"
                                                f" of {len(spec)})" if spec else "")
+                + (f"; by rep (median of the paired ratios) at {sum(x >= 1 for x in by_rep)} of {len(by_rep)}"
+                   if m["reps"] > 1 and by_rep else "")
                 + f"; p95 no worse at {sum(a['p95_s'] <= b['p95_s'] for a, b in pairs)} of {len(pairs)}."]
     out += exact_table(by, cells)
     out += ["", "Prompt mixes (benchmarks/prompts/, sent in this order, again from the first):"]
