@@ -51,6 +51,7 @@ import os
 import shlex
 import signal
 import statistics
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ from peers import (  # noqa: E402
     SETTINGS,
     ServerFailed,
     cpu_model,
+    chosen,
     cpu_ticks,
     free_port,
     git_state,
@@ -278,8 +280,16 @@ def session(model: str, path: str, w: Workload, systems: list[System], rep: int,
                       f"{r['gen_tps']:.1f} tok/s, {r['draft_n_accepted']} / {r['draft_n']} accepted, "
                       f"other work {r['others_busy']:.0%}", file=sys.stderr, flush=True)
     servers = [{"model": model, "workload": w.name, "rep": rep, "system": s.name, "command": cmds[s.name],
-                "busy_before": busy, "error": errors[s.name]} for s in systems]
+                "busy_before": busy, "error": errors[s.name], **({"auto": auto_choice(logs[s.name])}
+                                                                   if s.name == "auto" else {})} for s in systems]
     return [r for s in systems if not errors[s.name] for r in records[s.name]], servers
+
+
+def auto_choice(log: Path) -> str | None:
+    """What `--spec-type auto` chose, from its server's `spec auto: CHOICE: why` line (None: no line)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    line = next(iter(re.findall(r"spec auto: .*", text)), None)
+    return chosen(line, None) if line else None
 
 
 def has_suffix(specrun: str) -> bool:
@@ -426,6 +436,10 @@ def markdown(data: dict) -> str:
                     f"{sum(r['x_best'] is not None for r in suffix)} workloads" + (f" (on: {on})" if on else "")
                     + f"; below `none` on {len(slow)} of {sum(r['x_none'] is not None for r in suffix)}"
                     + (f" ({below})" if below else "") + "."]
+    autos = [sv for sv in data.get("servers", []) if sv["system"] == "auto" and not sv.get("error")]
+    if autos:
+        out += ["", "`auto` chose (at its server's start, on its built-in prompt): " + "; ".join(
+            f"{sv['model']} / {sv['workload']} / rep {sv['rep'] + 1}: {sv.get('auto') or '?'}" for sv in autos) + "."]
     bad = [(r, d) for r in rows if r["system"] in {s.name for s in SYSTEMS if s.specrun} for d in r["diffs"]]
     if bad:
         out += ["", "**specrun texts that differ from `none` (a bug):**", ""]

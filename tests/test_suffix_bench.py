@@ -66,3 +66,12 @@ def test_summary_and_table():
     assert "| m | w | suffix | 250.0 (250–250) | 2.50 | 2.00 | 0.80 (80 / 100) | yes |" in md
     assert "- m / w / ngram-mod: rep 1, request 2, at character 1 of 1" in md
     assert "≥ 1.3× the best llama-server on 1 of 1 workloads (on: m / w)" in md
+
+
+def test_auto_choice_from_the_server_log(tmp_path):
+    log = tmp_path / "auto.log"
+    log.write_text("loading\nspec auto: suffix (adaptive): predicted 1.40x on the built-in prompt\nready\n")
+    assert sb.auto_choice(log) == "suffix (adaptive)"
+    log.write_text("no such line\n")
+    assert sb.auto_choice(log) is None
+    assert sb.auto_choice(tmp_path / "missing.log") is None
