@@ -48,10 +48,10 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,8 +68,8 @@ from peers import (  # noqa: E402
     ROOT,
     SETTINGS,
     ServerFailed,
-    cpu_model,
     chosen,
+    cpu_model,
     cpu_ticks,
     free_port,
     git_state,
