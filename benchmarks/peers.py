@@ -457,9 +457,8 @@ def measure_group(model: str, path: str, setting: Setting, group: list[str], min
                                         **({"partner": own[s].name} if own[s] is not setting else {})})
     done = []
     for s in group:
-        auto = re.findall(r"spec auto: .*", logs[s].read_text(errors="replace")) if logs[s].is_file() else []
         done.append({"model": model, "setting": own[s].name, "system": s, "command": cmds[s],
-                     "load_avg_1m": load, "busy_before": busy, "auto": auto[-1] if auto else None,
+                     "load_avg_1m": load, "busy_before": busy, "auto": auto_line(logs[s]),
                      "error": errors[s]})
     return [r for s in group for r in kept[s]], done
 
@@ -526,6 +525,12 @@ def summarize(requests: list[dict]) -> list[dict]:
                      "tokens_per_pass": predicted / (predicted - accepted) if predicted > accepted else None,
                      "spec": rs[0].get("spec"), "text": rs[0]["text"], "partner": rs[0].get("partner")})
     return rows
+
+
+def auto_line(log: Path) -> str | None:
+    """The last `spec auto: ...` line of a server's log (None: no such line, or no log)."""
+    lines = re.findall(r"spec auto: .*", log.read_text(errors="replace")) if log.is_file() else []
+    return lines[-1] if lines else None
 
 
 def chosen(auto_line: str | None, spec: dict | None) -> str:

@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shlex
 import signal
 import statistics
@@ -68,6 +67,7 @@ from peers import (  # noqa: E402
     ROOT,
     SETTINGS,
     ServerFailed,
+    auto_line,
     chosen,
     cpu_model,
     cpu_ticks,
@@ -287,8 +287,7 @@ def session(model: str, path: str, w: Workload, systems: list[System], rep: int,
 
 def auto_choice(log: Path) -> str | None:
     """What `--spec-type auto` chose, from its server's `spec auto: CHOICE: why` line (None: no line)."""
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    line = next(iter(re.findall(r"spec auto: .*", text)), None)
+    line = auto_line(log)
     return chosen(line, None) if line else None
 
 
