@@ -113,12 +113,17 @@ SYSTEMS = (
     System("llama-server:ngram-mod", "llama-server", ("--spec-type", "ngram-mod")),
     System("llama-server:none", "llama-server", ("--spec-type", "none")),
     System("auto", "specrun", ("--spec-type", "auto")),
+    # what serve's auto ran before it chose suffix (its fallback on the built-in prompt until 2026-12-07)
+    System("ngram-n2-adaptive", "specrun", ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                                            "--spec-ngram-simple-size-m", "16", "--spec-ngram-simple-match",
+                                            "longest", "--spec-draft-adaptive")),
 )
 DEFAULT_SYSTEMS = ("none", "ngram-simple", "ngram-mod", "suffix", "suffix-fixed", "llama-server:ngram-simple",
                    "llama-server:ngram-mod")
 LABELS = {"ngram-simple": "ngram-simple n3 m16", "suffix-fixed": "suffix --no-spec-draft-adaptive",
           "llama-server:ngram-simple": "llama-server ngram-simple n3 m16",
-          "llama-server:ngram-mod": "llama-server ngram-mod", "llama-server:none": "llama-server none"}
+          "llama-server:ngram-mod": "llama-server ngram-mod", "llama-server:none": "llama-server none",
+          "ngram-n2-adaptive": "ngram-simple n2 m16 longest, adaptive"}
 
 
 @dataclass(frozen=True)
