@@ -113,7 +113,7 @@ SYSTEMS = (
     System("llama-server:ngram-mod", "llama-server", ("--spec-type", "ngram-mod")),
     System("llama-server:none", "llama-server", ("--spec-type", "none")),
     System("auto", "specrun", ("--spec-type", "auto")),
-    # what serve's auto ran before it chose suffix (its fallback on the built-in prompt until 2026-12-07)
+    # what serve's auto keeps on where no setting wins on its built-in prompt (an explicit twin of it)
     System("ngram-n2-adaptive", "specrun", ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
                                             "--spec-ngram-simple-size-m", "16", "--spec-ngram-simple-match",
                                             "longest", "--spec-draft-adaptive")),

@@ -5,14 +5,13 @@ resolve_auto() runs kernels.calibrate on it (the verify-cost curve and short gre
 prompt) and returns the SpecParams to generate with; the reason goes to stderr as one line. The
 calibration's verify-cost curve seeds the engine's pass costs (what --spec-draft-adaptive weighs a
 draft length by), so its first generation measures none. The setting with the best predicted speedup
-runs as it was calibrated; when none is predicted faster, an n-gram type stays on with
+runs as it was calibrated; when none is predicted faster, or an ngram-simple setting won on the
+built-in prompt of chat and serve (not the request's text), ngram-simple stays on with
 --spec-draft-adaptive, which holds it back (0 rows, the engine scores its whole proposals instead)
-on text it does not predict: ngram-simple for a one-shot prompt; suffix in chat and serve, also
-when another n-gram type than ngram-mod won on their built-in prompt (not the requests' text;
-their requests recur, and suffix drafts from earlier ones: benchmarks/results/suffix_auto.md).
-Every n-gram type of llama.cpp is a candidate (ngram-simple at the command's sizes and at n2 m16,
-ngram-map-k, -map-k4v, ngram-mod, ngram-cache), and specrun's suffix (probed without its global
-tree: what a first request gets), probed on the same prompt.
+on text it does not predict. Every n-gram type of llama.cpp is a candidate (ngram-simple at the
+command's sizes and at n2 m16, ngram-map-k, -map-k4v, ngram-mod, ngram-cache), and specrun's suffix
+(probed without its global tree: what a first request gets), probed on the same prompt. suffix, like
+ngram-simple, runs adaptive when it won on the built-in prompt.
 
 The machine's costs (the verify-cost curve, T1, each drafter's c0 and c1) are cached in
 auto_cache_dir(), keyed by the model files, the machine, the threads and the settings
@@ -135,12 +134,10 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
     # low-acceptance reset
     if not spec.types or (builtin and _ngram(spec) and spec.types != ("ngram-mod",)):
         # n-grams stay on, adaptive, so that each text decides (held back, at the cost of a lookup
-        # per token, while a plain step pays more). In chat and serve that is suffix: their requests
-        # recur, and only suffix drafts from earlier requests' text (its global tree).
-        suffix = next((replace(c, suffix=base.suffix) for c in cands if c.types == ("suffix",)), None) if builtin else None
-        ngram = suffix or (spec if spec.types in (("ngram-simple",), ("suffix",)) else next(
+        # per token, while a plain step pays more)
+        ngram = spec if spec.types in (("ngram-simple",), ("suffix",)) else next(
             (c for c in cands if c.types == ("ngram-simple",) and (c.ngram_size_n, c.ngram_size_m) == AUTO_NGRAM_SIZES[0]),
-            next((c for c in cands if _ngram(c)), None)))
+            next((c for c in cands if _ngram(c)), None))
         if ngram is not None:
             reason = _adaptive_reason(replace(ngram, adaptive=True), choice, builtin)
             spec = replace(ngram, adaptive=True)
