@@ -548,26 +548,44 @@ class BatchEngine:
     def _candidate(self, s: _Seq, room: int) -> tuple[list[float], Draft, int, int]:
         """(per-position acceptance rates, the draft it may make, its least rows, the copy drafter
         that made it or was asked last: -1 for none or a model drafter) of sequence s. A held-back
-        copy drafter is asked only every few steps (DraftLength.pace)."""
+        copy drafter is asked only every few steps (DraftLength.pace). In the drafters' order, the
+        first that drafts; but every copy drafter is asked, and the one whose best cut has the
+        most expected tokens per second (DraftLength.best_cut) offers its whole candidate (as the Engine)."""
         if room <= 0 or not s.drafters:
             return [], Draft.empty(), 0, -1
         ctx = np.asarray(s.text, dtype=np.int32)
-        asked = -1
+        several = sum(dl.k_min == 0 for dl in s.lens) > 1
+        asked: list[tuple[int, int]] = []      # the copy drafters asked: (index, their best cut's length)
+        best = None                            # the best copy drafter's (value, rates, tokens, index)
         for i, dl in enumerate(s.lens):
+            if best is not None and dl.k_min:
+                break                          # a copy drafter listed before it drafted
             if dl.k_min == 0 and not dl.ask():
                 continue
             draft = self._ask(s, i, ctx, min(room, dl.cap if dl.k_min == 0 else max(1, dl.n)))
-            if dl.k_min == 0:
-                asked = i
-            if not len(draft) or len(draft) < s.spec.n_min:
+            if dl.k_min:                       # a model drafter: its draft as made
+                if len(draft) and len(draft) >= s.spec.n_min:
+                    s.which = i
+                    return dl.acc.rates(len(draft)), draft, 1, -1
                 continue
-            s.which = i
-            if dl.k_min:                     # a model drafter: its draft as made
-                return dl.acc.rates(len(draft)), draft, 1, -1
+            if not len(draft) or len(draft) < s.spec.n_min:
+                asked.append((i, 0))
+                continue
             # the proposal is pending now (or continues the pending one): at least one candidate
+            v, _, cut = dl.best_cut(draft.tokens, len(ctx), room, self.pass_cost) if several else (0.0, [], draft.tokens)
             a, toks = max(dl.candidates(draft.tokens, len(ctx)), key=lambda c: expected_tokens(c[0], min(len(c[1]), room)))
-            return a, Draft(toks[:room]), 0, i
-        return [], Draft.empty(), 0, asked
+            asked.append((i, len(cut)))
+            if best is None or v > best[0]:
+                best = (v, a, toks, i)
+        chosen = best[3] if best is not None else asked[-1][0] if asked else -1
+        for i, k in asked:                     # the others; _drafts paces the chosen one by its rows
+            if i != chosen:
+                s.lens[i].pace(k, s.h.stats.drafters[i].t_per_call, self.pass_cost)
+        if best is None:
+            return [], Draft.empty(), 0, chosen
+        _, a, toks, i = best
+        s.which = i
+        return a, Draft(toks[:room]), 0, i
 
     def _probe(self, gen: list[_Seq]) -> None:
         """Time shared decodes of curve_rows(PROBE_ROWS) rows once, past a generating sequence's KV

@@ -190,8 +190,8 @@ def _drafter_cost(costs: Costs, spec: SpecParams) -> DrafterCost:
 def setting_name(spec: SpecParams) -> str:
     if not spec.types:
         return "none"
-    if len(spec.types) == 1 and spec.types[0] in SPEC_TYPE:   # "ngram-simple size-n 12 size-m 48", "draft-mtp n-max 3"
-        return f"{spec.types[0]} {SPEC_TYPE[spec.types[0]].label(spec)}".rstrip()
+    if all(t in SPEC_TYPE for t in spec.types):   # "ngram-simple size-n 12 size-m 48", "draft-mtp n-max 3", joined by " + "
+        return " + ".join(f"{t} {SPEC_TYPE[t].label(spec)}".rstrip() for t in spec.types)
     return f"{'+'.join(spec.types)} n-max {spec.n_max}"
 
 

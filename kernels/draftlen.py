@@ -430,13 +430,21 @@ class DraftLength:
         """The tokens to verify at positions pos.. (int32 [k], k <= limit; 0: held back), from a
         free drafter's proposal (int32, may be empty), which becomes the pending proposal if none is.
         Of candidates(), the cut with the most expected tokens per second is drafted."""
-        best, out = -1.0, proposal[:0]
-        for a, toks in self.candidates(proposal, pos):
+        return self.best_cut(proposal, pos, limit, cost)[2]
+
+    def best_cut(self, proposal: np.ndarray, pos: int, limit: int,
+                 cost: PassCost) -> tuple[float, list[float], np.ndarray]:
+        """take()'s choice as (its expected tokens per second E(k) / t(k + 1), its candidate's
+        per-position rates, the cut: int32 [k]). A held-back drafter's value is a plain step's,
+        1 / t(1), which any draft that pays beats: the engine drafts from the free drafter whose
+        cut has the highest value."""
+        best: tuple[float, list[float], np.ndarray] = (1.0 / cost.at(1), [], proposal[:0])   # nothing pending
+        for i, (a, toks) in enumerate(self.candidates(proposal, pos)):
             k = best_length(a, cost, min(len(toks), limit, self.cap), 0)
             v = expected_tokens(a, k) / cost.at(k + 1)
-            if v > best:
-                best, out = v, toks[:k]
-        return out
+            if i == 0 or v > best[0]:
+                best = (v, a, toks[:k])
+        return best
 
     def candidates(self, proposal: np.ndarray, pos: int) -> list[tuple[list[float], np.ndarray]]:
         """What a free drafter may draft at positions pos..: (per-position rates, int32 [k] tokens)

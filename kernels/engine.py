@@ -3,6 +3,7 @@
     id_last = sample(prefill(prompt))                      # position n_past = len(prompt)
     loop:
         draft   = first non-empty proposal of the drafters  # llama.cpp's order: n-grams first
+                                                            # (adaptive copy drafters: the best one)
         logits  = target.decode([id_last, d1..dk])          # ONE pass, k+1 output rows
         verdict = verify(draft, logits)                     # accepted d1..dn + one target token
         target.seq_rm(n_past + n + 1)                       # roll back the rejected rows
@@ -531,25 +532,32 @@ class Engine:
 
     def _propose(self, drafters: list[Drafter], ctx: np.ndarray, k_cap: int, lens: list[DraftLength], n_min: int,
                  st: GenStats, stops: Stops = NO_STOPS) -> tuple[Draft, int]:
-        """The first drafter's proposal of at least max(1, n_min) tokens, and its index (-1: none).
-        A proposal ends at the first token where the text would end (draft_end). An adaptive
-        drafter with free proposals (n-grams) is asked for its longest draft and its DraftLength
-        takes the part worth verifying (0: held back, and then asked only every few steps:
-        DraftLength.pace); the whole proposal is scored against the text the target then emits."""
+        """A proposal of at least max(1, n_min) tokens, and its drafter's index (-1: none). A proposal
+        ends at the first token where the text would end (draft_end). In llama.cpp's order, the first
+        drafter with one; but adaptive drafters with free proposals (n-grams, suffix) are all asked,
+        each for its longest draft, of which its DraftLength takes the part worth verifying (0: held
+        back, and then asked only every few steps: DraftLength.pace), and the cut with the most
+        expected tokens per second of them is drafted. Each whole proposal is scored against the
+        text the target then emits, drafted or not."""
         if k_cap <= 0:
             return Draft.empty(), -1
+        best: tuple[float, Draft, int] | None = None     # the best free drafter's (value, cut, index)
         for i, d in enumerate(drafters):
             dl = lens[i]
+            if best is not None and not dl.free:
+                break                          # a free drafter listed before it drafted
             cap = min(k_cap, dl.cap if dl.free else dl.n)
             if cap <= 0 or not dl.ask():
                 continue
             draft = ask(d, ctx, cap, st.drafters[i], stops, self.model)
             if dl.free:
-                draft = Draft(dl.take(draft.tokens, len(ctx), cap, self.pass_cost))   # n-grams: no probs
-                dl.pace(len(draft), st.drafters[i].t_per_call, self.pass_cost)
-            if len(draft) > 0 and len(draft) >= n_min:
+                v, _, toks = dl.best_cut(draft.tokens, len(ctx), cap, self.pass_cost)
+                dl.pace(len(toks), st.drafters[i].t_per_call, self.pass_cost)
+                if len(toks) and len(toks) >= n_min and (best is None or v > best[0]):
+                    best = (v, Draft(toks), i)   # n-grams: no probs
+            elif len(draft) > 0 and len(draft) >= n_min:
                 return draft, i
-        return Draft.empty(), -1
+        return (best[1], best[2]) if best is not None else (Draft.empty(), -1)
 
     def _step(self, id_last: int, n_past: int, draft: Draft, sampling: SamplingParams, spec: SpecParams,
               drafters: list[Drafter], vp: VerifyPass | None = None,

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from drafters import OracleDraft, ShiftedDraft
+from drafters import FirstRightDraft, OracleDraft, ShiftedDraft
 
 from specrun.gguf_spec.errors import SpecrunError
 from specrun.kernels.batch import BatchEngine, BatchParams, Request, draft_budget
@@ -110,6 +110,33 @@ def test_mixed_requests_each_equal_alone(smol, sampling):
         hs = _staggered(b, reqs, [0, 0, 2, 3])
         assert max(h.seq for h in hs) <= 2
     _check(hs, reqs, refs, kinds)
+
+
+def test_copy_drafters_the_best_one_drafts_in_a_batch(smol):
+    """Two requests, each with three copy drafters (always wrong, right at the first token only,
+    always right; in two orders), beside a plain one: every copy drafter is asked, the one whose
+    cut pays most drafts, and each text equals the request alone."""
+    model, refs = smol
+    reqs, trios = [], []
+    for i, order in ((0, "wrong first"), (2, "right first")):
+        prompt, n = model.tokenize(TEXTS[i]), 32
+        ref = refs(prompt, n, GREEDY)
+        wrong = ShiftedDraft(OracleDraft(ref, len(prompt), spec_type="ngram-simple"), model.n_vocab)
+        first = FirstRightDraft(OracleDraft(ref, len(prompt), spec_type="ngram-map-k"), model.n_vocab)
+        right = OracleDraft(ref, len(prompt), spec_type="suffix")
+        trios.append(ds := [wrong, first, right] if order == "wrong first" else [right, wrong, first])
+        reqs.append(Request(prompt, n, GREEDY, replace(MATCH, n_max=8), ds))
+    reqs.append(Request(model.tokenize(TEXTS[1]), 16, GREEDY, MATCH))
+    with BatchEngine(model.path, BatchParams(n_seq=3, n_ctx_seq=256), model=model) as b:
+        hs = b.run(reqs)
+    for h, r in zip(hs, reqs, strict=True):
+        assert h.tokens == refs(r.prompt, r.n_predict, GREEDY)
+    for h, ds in zip(hs[:2], trios, strict=True):
+        w, f, r = (h.stats.drafters[i] for i in (0, 1, 2)) if ds[0].spec_type == "ngram-simple" else \
+            (h.stats.drafters[i] for i in (1, 2, 0))
+        assert w.n_acc_tokens == 0 and w.n_gen_drafts <= 2, h.stats
+        assert f.n_gen_drafts <= 2, h.stats
+        assert r.n_acc_tokens > 16, h.stats
 
 
 @pytest.mark.full

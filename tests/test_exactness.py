@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from drafters import OracleDraft, ShiftedDraft
+from drafters import FirstRightDraft, OracleDraft, ShiftedDraft
 
 from specrun.kernels.drafters import DraftModel
 from specrun.kernels.engine import Engine
@@ -154,6 +154,29 @@ def test_suffix_equals_plain(target, prompt, temp):
         got, st = run(target.engine, target.prompts[prompt], temp, spec=spec(("suffix",)))
         assert got == target.plain(prompt, temp)
         assert st.n_drafted > 0
+
+
+@pytest.mark.parametrize("target, right_first, temp",
+                         grid(MODELS, (False, True), TEMPS, keep=lambda m, r, t: (m, r, t) in {("smollm", False, 0.0),
+                                                                                              ("gemma", False, 0.8)}),
+                         indirect=["target"])
+def test_adaptive_copy_drafters_the_best_one_drafts(target, right_first, temp):
+    """Three copy drafters, adaptive: one always wrong, one right at its first token only, one always
+    right. All are asked every step and the one whose cut pays most drafts, whatever their order:
+    the wrong one stops after its first misses, the one-token copies lose to the long ones. The
+    text stays plain decoding's."""
+    ref, n_prompt, n_vocab = target.plain("long", temp), len(target.prompts["long"]), target.engine.model.n_vocab
+    wrong = ShiftedDraft(OracleDraft(ref, n_prompt, spec_type="ngram-simple"), n_vocab)
+    first = FirstRightDraft(OracleDraft(ref, n_prompt, spec_type="ngram-map-k"), n_vocab)
+    right = OracleDraft(ref, n_prompt, spec_type="suffix")
+    drafters = [right, wrong, first] if right_first else [wrong, first, right]
+    got, st = run(target.engine, target.prompts["long"], temp, spec=spec(n_max=8, adaptive=True), drafters=drafters)
+    assert got == ref
+    w, f, r = (st.drafters[drafters.index(d)] for d in (wrong, first, right))
+    assert w.n_acc_tokens == 0 and w.n_gen_tokens <= N_GEN // 4
+    assert f.n_gen_tokens <= N_GEN // 4
+    assert r.n_acc_tokens > N_GEN // 2
+    assert st.n_target_passes <= N_GEN * 2 // 5
 
 
 # make test: Gemma (sliding-window layers; one draft model loaded), both prompts, both temperatures,
