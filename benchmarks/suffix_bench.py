@@ -117,13 +117,18 @@ SYSTEMS = (
     System("ngram-n2-adaptive", "specrun", ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
                                             "--spec-ngram-simple-size-m", "16", "--spec-ngram-simple-match",
                                             "longest", "--spec-draft-adaptive")),
+    # both copy drafters, adaptive: each step drafts from the one whose cut pays more
+    System("ngram-n2+suffix", "specrun", ("--spec-type", "ngram-simple,suffix", "--spec-ngram-simple-size-n", "2",
+                                          "--spec-ngram-simple-size-m", "16", "--spec-ngram-simple-match",
+                                          "longest", "--spec-draft-adaptive")),
 )
 DEFAULT_SYSTEMS = ("none", "ngram-simple", "ngram-mod", "suffix", "suffix-fixed", "llama-server:ngram-simple",
                    "llama-server:ngram-mod")
 LABELS = {"ngram-simple": "ngram-simple n3 m16", "suffix-fixed": "suffix --no-spec-draft-adaptive",
           "llama-server:ngram-simple": "llama-server ngram-simple n3 m16",
           "llama-server:ngram-mod": "llama-server ngram-mod", "llama-server:none": "llama-server none",
-          "ngram-n2-adaptive": "ngram-simple n2 m16 longest, adaptive"}
+          "ngram-n2-adaptive": "ngram-simple n2 m16 longest, adaptive",
+          "ngram-n2+suffix": "ngram-simple n2 m16 longest + suffix, adaptive"}
 
 
 @dataclass(frozen=True)
