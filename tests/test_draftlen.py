@@ -499,3 +499,23 @@ def test_the_engines_probe_times_the_curve_rows_once(smollm_path):
         for _ in range(2):
             assert [t for c in e.generate(prompt, 24, greedy, spec=spec) for t in c] == plain
         assert probed == [17] and set(curve_rows(17)) <= set(e.pass_cost.sums)
+
+
+def test_best_cut_values_a_draft_that_pays_above_a_plain_step():
+    """best_cut's value is E(k) / t(k + 1) of take()'s cut; held back, a plain step's 1 / t(1). Of two
+    free drafters, the one with the higher value drafts (the engines compare these)."""
+    c = PassCost()
+    for r in (1, 9):
+        c.record(r, 1 + r / 4)
+    sure, unsure = DraftLength(16, True, 0), DraftLength(16, True, 0)
+    for dl, right in ((sure, 16), (unsure, 0)):
+        dl.start(c)
+        for _ in range(6):                                   # whole proposals right for `right` tokens
+            dl.candidates(np.arange(16, dtype=np.int32), 0)
+            dl.score([*range(right), -1] if right < 16 else list(range(16)), c)
+    proposal = np.arange(100, 116, dtype=np.int32)
+    v, a, cut = sure.best_cut(proposal, 0, 16, c)
+    assert len(cut) == 16 and np.array_equal(cut, sure.take(proposal, 0, 16, c))
+    assert v == pytest.approx(expected_tokens(a, 16) / c.at(17)) and v > 1 / c.at(1)
+    v0, _, cut0 = unsure.best_cut(proposal, 0, 16, c)
+    assert len(cut0) == 0 and v0 == pytest.approx(1 / c.at(1)) and v0 < v
