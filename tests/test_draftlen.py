@@ -396,23 +396,12 @@ def test_a_split_decode_moves_the_level_not_the_curve():
 
 # ---- in the engine ---------------------------------------------------------------------------
 
-class FixedCost(PassCost):
-    """The prior's line t(r) = 1 + r / 4, whatever the passes took: the engine test below then
-    checks the lengths the engine picks, not this machine's timings (a 2-core CI runner's steeper
-    verify curve once kept the oracle's mean draft under 10)."""
-
-    __slots__ = ()
-
-    def record(self, rows: int, seconds: float) -> None:
-        pass
-
-
 @pytest.mark.slow
 @pytest.mark.full     # make test keeps the held-back n-gram test below
 def test_adaptive_length_long_when_right_short_when_wrong_and_output_unchanged(smollm_path):
     from pathlib import Path
 
-    from drafters import OracleDraft, ShiftedDraft
+    from drafters import FixedCost, OracleDraft, ShiftedDraft
 
     from specrun.kernels.drafters import DraftModel
     from specrun.kernels.engine import Engine
@@ -455,7 +444,7 @@ def test_adaptive_ngram_drafter_is_held_back_when_wrong_and_output_unchanged(smo
     more, so it stops drafting; its shadow drafts keep being scored, never verified."""
     from pathlib import Path
 
-    from drafters import ShiftedDraft
+    from drafters import FixedCost, ShiftedDraft
 
     from specrun.kernels.drafters import NgramSimple
     from specrun.kernels.engine import Engine
