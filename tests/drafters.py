@@ -55,28 +55,14 @@ class OracleDraft:
         pass
 
 
-class FirstRightDraft:
+class FirstRightDraft(ShiftedDraft):
     """Another drafter's proposal with every token after the first shifted by one id: right at its
     first token, then wrong (a copy that ends at once, when the inner one is always right)."""
-
-    def __init__(self, inner, n_vocab: int) -> None:
-        self.inner, self.n_vocab = inner, n_vocab
-        self.spec_type = inner.spec_type
-        self.needs_hidden = inner.needs_hidden
-
-    def begin(self, prompt: np.ndarray, n_keep: int, opts: DraftOptions) -> int:
-        return self.inner.begin(prompt, n_keep, opts)
 
     def propose(self, ctx: np.ndarray, n_max: int) -> Draft:
         t = self.inner.propose(ctx, n_max).tokens.copy()
         t[1:] = (t[1:] + 1) % self.n_vocab
         return Draft(t.astype(np.int32), None)
-
-    def accept(self, tp: TargetPass) -> None:
-        self.inner.accept(tp)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class FixedCost(PassCost):
