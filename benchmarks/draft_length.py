@@ -1,11 +1,16 @@
 """--spec-draft-adaptive against fixed n-gram drafts, on the peers workloads, in one process.
 
-    python benchmarks/draft_length.py [--workloads free,code-rewrite,...] [-n 128] [--reps 3] [--out FILE.json]
-                                      [--curves FILE.json]
+    python benchmarks/draft_length.py [--set fixed|auto] [--workloads free,code-rewrite,...] [-n 128] [--reps 3]
+                                      [--out FILE.json] [--curves FILE.json]
 
-For each workload (benchmarks/prompts/, the peers benchmark's files and models): `none`, ngram-simple
-size-n 3 / size-m 16 with its fixed length (the cap), and the same with --spec-draft-adaptive; greedy,
-2 threads, exact mode. Two speeds per row, both against `none`:
+For each workload (benchmarks/prompts/, the peers benchmark's files and models), greedy, 2 threads,
+exact mode, one request at a time:
+  * --set fixed (the default): `none`, ngram-simple size-n 3 / size-m 16 with its fixed length (the
+    cap), and the same with --spec-draft-adaptive;
+  * --set auto: `none` and the copy drafters chat's and serve's `auto` may run: ngram-simple
+    size-n 2 / size-m 16 (longest match) adaptive, the same beside suffix (each step drafts from the
+    one whose cut pays more), and suffix alone; suffix without its global tree (a first request's).
+Two speeds per row, both against `none`:
 
   * modeled: each pass's rows priced by one pass-cost curve t(r), measured once per model at the start
     (median of 5 interleaved rounds of 1..33-row passes) and frozen, so that the draft lengths the policy picks
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -32,10 +39,13 @@ from specrun.gguf_spec.registry import resolve_model
 from specrun.kernels.calibrate import measure_verify_cost
 from specrun.kernels.draftlen import PassCost, curve_rows
 from specrun.kernels.engine import Engine
-from specrun.kernels.params import EngineParams, SpecParams
+from specrun.kernels.params import EngineParams, SpecParams, SuffixParams
 from specrun.kernels.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from peers import cpu_model, git_state  # noqa: E402
+
 PROMPTS = ROOT / "benchmarks" / "prompts"
 WORKLOADS = {   # name: (model, prompt file), as in benchmarks/peers.py
     "free": ("gemma-3-270m", "free.txt"),
@@ -45,10 +55,24 @@ WORKLOADS = {   # name: (model, prompt file), as in benchmarks/peers.py
     "summary": ("smollm2-135m-instruct", "summary_quotes.txt"),
     "chat-reuse": ("smollm2-135m-instruct", "chat_reuse.txt"),
     "code-rewrite-smollm2": ("smollm2-135m-instruct", "code_rewrite.txt"),
+    "long-prompt": ("gemma-3-270m", "long_prompt.txt"),
+    "long-prompt-smollm2": ("smollm2-135m-instruct", "long_prompt.txt"),
 }
 NGRAM = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16, verify="match")
-SETTINGS = {"none": SpecParams(verify="match"), "fixed n3 m16": NGRAM, "adaptive n3 m16": replace(NGRAM, adaptive=True)}
+AUTO = SpecParams(types=("ngram-simple",), ngram_size_n=2, ngram_size_m=16, ngram_match="longest", adaptive=True,
+                  verify="match", suffix=SuffixParams(max_cached_requests=0))
+SETS = {   # --set: (settings, default workloads)
+    "fixed": ({"none": SpecParams(verify="match"), "fixed n3 m16": NGRAM, "adaptive n3 m16": replace(NGRAM, adaptive=True)},
+              tuple(WORKLOADS)[:7]),
+    "auto": ({"none": SpecParams(verify="match"), "ngram n2 m16": AUTO,
+              "ngram n2 m16 + suffix": replace(AUTO, types=("ngram-simple", "suffix")),
+              "suffix": replace(AUTO, types=("suffix",))}, tuple(WORKLOADS)),
+}
 GREEDY = SamplingParams(temp=0.0)
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 class FrozenCost(PassCost):
@@ -80,14 +104,18 @@ def measure_curve(e: Engine, rows: tuple[int, ...] = CURVE_ROWS) -> dict[int, li
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--set", choices=tuple(SETS), default="fixed", help="the settings compared (see above)")
+    ap.add_argument("--workloads", help="comma-separated (default: the set's)")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "draft_length.json"))
+    ap.add_argument("--out", help="default: benchmarks/results/draft_length.json, or draft_length_auto.json")
     ap.add_argument("--curves", help="an earlier run's JSON: its pass-cost curves, not measured again")
     args = ap.parse_args()
-    names = [w for w in args.workloads.split(",") if w]
+    settings, default = SETS[args.set]
+    names = [w for w in args.workloads.split(",") if w] if args.workloads else list(default)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / ("draft_length.json" if args.set == "fixed"
+                                                                  else f"draft_length_{args.set}.json"))
     bad = [w for w in names if w not in WORKLOADS]
     if bad:
         sys.exit(f"unknown workload(s) {', '.join(bad)}; known: {', '.join(WORKLOADS)}")
@@ -101,9 +129,9 @@ def main() -> None:
                 f"{r} rows {v[1] * 1e3:.1f} ms" for r, v in sorted(curves[model].items())), file=sys.stderr)
             for w in (w for w in names if WORKLOADS[w][0] == model):
                 prompt = e.tokenize((PROMPTS / WORKLOADS[w][1]).read_text())
-                got: dict[str, dict] = {s: {"tps": []} for s in SETTINGS}
+                got: dict[str, dict] = {s: {"tps": []} for s in settings}
                 for _ in range(args.reps):
-                    for s, spec in SETTINGS.items():
+                    for s, spec in settings.items():
                         cost = FrozenCost(curves[model])
                         e.pass_cost = cost
                         gen = e.generate(prompt, args.n_predict, GREEDY, spec=spec)
@@ -123,11 +151,19 @@ def main() -> None:
                     rows.append(row)
                     print(f"[draft-length] {w} {s}: modeled x{row['modeled_x_none']:.2f}, wall x{row['wall_x_none']:.2f}, "
                           f"{row['passes']} passes, equal to none: {row['equal_none']}", file=sys.stderr)
-    lines = ["| workload | setting | passes | drafted | accepted | modeled × none | wall tok/s | wall × none | = none |",
+    commit, dirty = git_state()
+    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} at commit `{commit}`"
+             + (f", with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+             + f"; {cpu_model()}, {os.cpu_count()} cores; --set {args.set}, {args.threads} threads, greedy, n_predict "
+             f"{args.n_predict}, {args.reps} reps (wall: the median).", "",
+             "| workload | setting | passes | drafted | accepted | modeled × none | wall tok/s | wall × none | = none |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['setting']} | {r['passes']} | {r['drafted']} | {r['accepted']} | "
               f"{r['modeled_x_none']:.2f} | {r['wall_tps']:.1f} | {r['wall_x_none']:.2f} | "
               f"{'yes' if r['equal_none'] else '**no**'} |" for r in rows]
+    lines += ["", "Geometric mean over the workloads, × none: " + "; ".join(
+        f"{s} modeled {geomean([r['modeled_x_none'] for r in rows if r['setting'] == s]):.3f}, "
+        f"wall {geomean([r['wall_x_none'] for r in rows if r['setting'] == s]):.3f}" for s in settings if s != "none") + "."]
     md = "\n".join(lines)
     print(md)
     out = Path(args.out)

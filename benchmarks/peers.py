@@ -130,7 +130,9 @@ SETTINGS = (
     Setting("ngram-simple", NGRAM),
     Setting("ngram-simple n3 m16", NGRAM + ("--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "16",
                                             "--spec-draft-n-max", "16")),
-    Setting("auto", ("--spec-type", "auto"), ("specrun",)),
+    # each prompt goes to a server again and again: suffix's global tree (auto's, in serve) would draft
+    # a repeat from the last answer, so auto runs without it here, as a first request would
+    Setting("auto", ("--spec-type", "auto", "--spec-suffix-max-cached-requests", "0"), ("specrun",)),
     *(Setting(t, ("--spec-type", t)) for t in NGRAM_FAMILY),
     *(Setting(f"draft-eagle3 n-max {k}", ("-md", "{eagle3}", "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k)),
               models=(EAGLE3_MODEL,)) for k in EAGLE3_N_MAX),

@@ -472,9 +472,9 @@ def test_ngram_probes_do_not_draft_from_their_own_last_probe(smollm_path):
 @pytest.mark.parametrize("builtin", [True, False])
 def test_auto_tries_every_ngram_type_and_runs_the_winner(smollm_path, capsys, winner, builtin):
     """Every n-gram type of llama.cpp is a candidate. The winner runs as it was calibrated on the
-    request's own prompt. On the built-in prompt of chat and serve, ngram-simple goes adaptive
-    instead (n2 m16), except ngram-mod, which keeps its own lengths (its n-min rule keeps it silent
-    on text it does not predict)."""
+    request's own prompt. On the built-in prompt of chat and serve, ngram-simple (n2 m16) and suffix
+    go adaptive instead, each step drafting from the one that pays more; ngram-mod keeps its own
+    lengths (its n-min rule keeps it silent on text it does not predict)."""
     from specrun.cli.runtime.auto import AUTO_NGRAM_TYPES, auto_candidates
 
     assert AUTO_NGRAM_TYPES == ("ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")
@@ -499,9 +499,10 @@ def test_auto_tries_every_ngram_type_and_runs_the_winner(smollm_path, capsys, wi
         prompt = None if builtin else engine.tokenize(FREE)
         spec = resolve_auto(engine, SpecParams(), prompt, measure=wins)
     said = capsys.readouterr().err.strip().splitlines()[-1]
-    if builtin and winner != "ngram-mod":
-        assert spec.types == ("ngram-simple",) and (spec.ngram_size_n, spec.ngram_size_m) == (2, 16)
-        assert spec.adaptive and said.startswith("spec auto: ngram-simple size-n 2 size-m 16 longest match, adaptive")
+    if builtin and winner != "ngram-mod":      # beside suffix, which drafts from earlier requests
+        assert spec.types == ("ngram-simple", "suffix") and (spec.ngram_size_n, spec.ngram_size_m) == (2, 16)
+        assert spec.suffix == SpecParams().suffix    # with the global tree (probed without it)
+        assert spec.adaptive and said.startswith("spec auto: ngram-simple size-n 2 size-m 16 longest match + suffix max-depth")
     else:
         assert spec.types == (winner,) and not spec.adaptive
         assert said.startswith(f"spec auto: {winner}")

@@ -8,10 +8,11 @@ draft length by), so its first generation measures none. The setting with the be
 runs as it was calibrated; when none is predicted faster, or an ngram-simple setting won on the
 built-in prompt of chat and serve (not the request's text), ngram-simple stays on with
 --spec-draft-adaptive, which holds it back (0 rows, the engine scores its whole proposals instead)
-on text it does not predict. Every n-gram type of llama.cpp is a candidate (ngram-simple at the
-command's sizes and at n2 m16, ngram-map-k, -map-k4v, ngram-mod, ngram-cache), and specrun's suffix
-(probed without its global tree: what a first request gets), probed on the same prompt. suffix, like
-ngram-simple, runs adaptive when it won on the built-in prompt.
+on text it does not predict. In chat and serve suffix runs beside it, adaptive: their requests
+recur, suffix drafts from earlier ones, and each step drafts from the one whose cut pays more
+(benchmarks/results/suffix_choice.md). Every n-gram type of llama.cpp is a candidate (ngram-simple
+at the command's sizes and at n2 m16, ngram-map-k, -map-k4v, ngram-mod, ngram-cache), and specrun's
+suffix (probed without its global tree: what a first request gets), probed on the same prompt.
 
 The machine's costs (the verify-cost curve, T1, each drafter's c0 and c1) are cached in
 auto_cache_dir(), keyed by the model files, the machine, the threads and the settings
@@ -127,17 +128,21 @@ def resolve_auto(engine: Engine, base: SpecParams, prompt_tokens=None, *, measur
         engine.seed_pass_cost(verify)   # the adaptive length starts from this curve
     # an n-gram setting chosen on the request's own prompt runs as it was calibrated (the probes saw
     # this text pay); on the built-in prompt, ngram-simple goes adaptive (the setting that won, or
-    # n2 m16 when another n-gram type won there: the built-in text says little of the requests'), and
-    # so does suffix when it won there.
+    # n2 m16 when another n-gram type won there: the built-in text says little of the requests'), with
+    # suffix beside it.
     # ngram-mod always runs as calibrated: its own n-min rule (a 48-token chain or nothing) keeps it
     # silent on text it does not predict, and cut drafts would count as rejected in its
     # low-acceptance reset
     if not spec.types or (builtin and _ngram(spec) and spec.types != ("ngram-mod",)):
         # n-grams stay on, adaptive, so that each text decides (held back, at the cost of a lookup
         # per token, while a plain step pays more)
-        ngram = spec if spec.types in (("ngram-simple",), ("suffix",)) else next(
-            (c for c in cands if c.types == ("ngram-simple",) and (c.ngram_size_n, c.ngram_size_m) == AUTO_NGRAM_SIZES[0]),
-            next((c for c in cands if _ngram(c)), None))
+        ngram = spec if spec.types in (("ngram-simple",), ("suffix",)) else \
+            _auto_simple(cands) or next((c for c in cands if _ngram(c)), None)
+        if ngram is not None and builtin:
+            # chat and serve: their requests recur, and suffix drafts from earlier ones; each step
+            # drafts from the copy drafter whose cut pays more (Engine._propose)
+            simple = ngram if ngram.types == ("ngram-simple",) else _auto_simple(cands) or ngram
+            ngram = replace(simple, types=tuple(dict.fromkeys((*simple.types, "suffix"))))
         if ngram is not None:
             reason = _adaptive_reason(replace(ngram, adaptive=True), choice, builtin)
             spec = replace(ngram, adaptive=True)
@@ -163,6 +168,13 @@ def _adaptive_reason(spec: SpecParams, choice: Choice, builtin: bool) -> str:
                 f"×{best.speedup:.2f} ({explain(best, choice.costs)}; plain step {t1 * 1e3:.2f} ms)")
     return (f"{head}: {setting_name(choice.spec)} was predicted ×{choice.predicted_speedup:.2f} on a built-in "
             f"prompt, which says little of the requests' text")
+
+
+def _auto_simple(cands: list[SpecParams]) -> SpecParams | None:
+    """ngram-simple's candidate at auto's own sizes (n2 m16)."""
+    return next((c for c in cands if c.types == ("ngram-simple",)
+                 and (c.ngram_size_n, c.ngram_size_m) == AUTO_NGRAM_SIZES[0]), None)
+
 
 def _ngram(spec: SpecParams) -> bool:
     return bool(spec.types) and all(t in NGRAM_TYPES for t in spec.types)
