@@ -59,6 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from exact_peers import EXACT_ENV, EXACT_FLAGS  # noqa: E402
 from peers import (  # noqa: E402
     DOCS,
     LOGS,
@@ -96,6 +97,7 @@ class System:
     name: str                      # --systems' name
     server: str                    # "specrun" | "llama-server"
     args: tuple[str, ...]          # its speculative flags
+    exact: bool = False            # llama-server with exact mode's kernels (exact_peers.py): specrun's text
 
     @property
     def specrun(self) -> bool:
@@ -112,6 +114,9 @@ SYSTEMS = (
     System("llama-server:ngram-simple", "llama-server", N3M16),
     System("llama-server:ngram-mod", "llama-server", ("--spec-type", "ngram-mod")),
     System("llama-server:none", "llama-server", ("--spec-type", "none")),
+    # the same, on exact mode's kernels: its text is specrun's, so the ratio compares the drafters alone
+    System("llama-server-exact:ngram-simple", "llama-server", N3M16, exact=True),
+    System("llama-server-exact:ngram-mod", "llama-server", ("--spec-type", "ngram-mod"), exact=True),
     System("auto", "specrun", ("--spec-type", "auto")),
     # what serve's auto keeps on where no setting wins on its built-in prompt (an explicit twin of it)
     System("ngram-n2-adaptive", "specrun", ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
@@ -127,6 +132,8 @@ DEFAULT_SYSTEMS = ("none", "ngram-simple", "ngram-mod", "suffix", "suffix-fixed"
 LABELS = {"ngram-simple": "ngram-simple n3 m16", "suffix-fixed": "suffix --no-spec-draft-adaptive",
           "llama-server:ngram-simple": "llama-server ngram-simple n3 m16",
           "llama-server:ngram-mod": "llama-server ngram-mod", "llama-server:none": "llama-server none",
+          "llama-server-exact:ngram-simple": "llama-server exact ngram-simple n3 m16",
+          "llama-server-exact:ngram-mod": "llama-server exact ngram-mod",
           "ngram-n2-adaptive": "ngram-simple n2 m16 longest, adaptive",
           "ngram-n2+suffix": "ngram-simple n2 m16 longest + suffix, adaptive"}
 
@@ -240,6 +247,8 @@ def command(s: System, model: str, path: str, port: int, args) -> list[str]:
     extra = tuple(shlex.split(args.suffix_args)) if s.name == "suffix" else ()
     if s.specrun:
         return [args.specrun, "serve", "-m", model, *common, *s.args, *extra]
+    if s.exact:
+        return [*EXACT_ENV, args.llama_server, "-m", path, *EXACT_FLAGS, *common, *s.args]
     return [args.llama_server, "-m", path, *common, *s.args]
 
 
@@ -354,6 +363,7 @@ def summarize(requests: list[dict]) -> list[dict]:
     Σ predicted_ms of a rep's session), its median, min and max over reps; drafted, accepted and
     acceptance over every request; `x_none` and `x_best`, the medians of the per-rep ratios to
     specrun `none` and to llama-server's fastest system on that (model, workload) (its median);
+    `x_exact` and `best_exact` the same for llama-server's exact-kernel systems;
     `equal_none` (None without `none`), and `diffs`, each request whose text differs from specrun
     `none`'s in the same rep and turn: (rep, turn, where).
 
@@ -364,10 +374,13 @@ def summarize(requests: list[dict]) -> list[dict]:
     tps = {key: {rep: sum(r["predicted_n"] for r in rs) / (sum(r["predicted_ms"] for r in rs) / 1e3)
                  for rep, rs in reps.items()} for key, reps in sessions.items()}
     med = {key: statistics.median(v.values()) for key, v in tps.items()}
-    best: dict[tuple, tuple] = {}
+    best: dict[tuple, tuple] = {}        # llama-server's fastest system per (model, workload)
+    best_exact: dict[tuple, tuple] = {}  # ... of its exact-kernel systems (specrun's text)
     for (model, workload, system), m in med.items():
-        if system.startswith("llama-server") and m > med.get(best.get((model, workload)), -1):
-            best[(model, workload)] = (model, workload, system)
+        of = best_exact if system.startswith("llama-server-exact:") else best if system.startswith("llama-server") \
+            else None
+        if of is not None and m > med.get(of.get((model, workload)), -1):
+            of[(model, workload)] = (model, workload, system)
 
     def ratio(key: tuple, ref: tuple | None) -> float | None:
         if ref is None or ref not in tps:
@@ -386,13 +399,14 @@ def summarize(requests: list[dict]) -> list[dict]:
         everything = [r for rs in reps.values() for r in rs]
         drafted = sum(r["draft_n"] for r in everything)
         accepted = sum(r["draft_n_accepted"] for r in everything)
-        b = best.get((model, workload))
+        b, be = best.get((model, workload)), best_exact.get((model, workload))
         rows.append({"model": model, "workload": workload, "system": system, "gen_tps": med[key],
                      "gen_min": min(tps[key].values()), "gen_max": max(tps[key].values()), "reps": len(reps),
                      "requests": len(everything), "predicted_n": sum(r["predicted_n"] for r in everything),
                      "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
                      "x_none": ratio(key, (model, workload, "none") if none else None),
                      "x_best": ratio(key, b), "best": b[2] if b else None,
+                     "x_exact": ratio(key, be), "best_exact": be[2] if be else None,
                      "equal_none": not diffs if none else None, "diffs": diffs,
                      "others_busy": max(r["others_busy"] for r in everything)})
     return rows
@@ -402,10 +416,27 @@ def _f(x: float | None, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def goals(rows: list[dict], exact: bool) -> str:
+    """Issue 50's verdicts for one system's rows: ≥ 1.3× the best llama-server (and its exact-kernel
+    best, when measured), never below `none`."""
+    def over(key: str, what: str) -> str:
+        fast = [r for r in rows if r[key] is not None and r[key] >= 1.3]
+        on = ", ".join(f"{r['model']} / {r['workload']}" for r in fast)
+        return (f"≥ 1.3× the best {what} on {len(fast)} of {sum(r[key] is not None for r in rows)} workloads"
+                + (f" (on: {on})" if on else ""))
+
+    slow = [r for r in rows if r["x_none"] is not None and r["x_none"] < 1.0]
+    below = ", ".join(f"{r['model']} / {r['workload']} {r['x_none']:.2f}×" for r in slow)
+    return (over("x_best", "llama-server") + ("; " + over("x_exact", "llama-server exact") if exact else "")
+            + f"; below `none` on {len(slow)} of {sum(r['x_none'] is not None for r in rows)}"
+            + (f" ({below})" if below else "") + ".")
+
+
 def markdown(data: dict) -> str:
     """The preamble, the table (one row per model, workload and system), the verdicts on issue 50's
     goals for `suffix`, every specrun text that differs from `none`, the failed servers and the workloads."""
     m, rows = data["meta"], summarize(data["requests"])
+    exact = any(r.get("x_exact") is not None for r in rows)
     dirty = f", with uncommitted changes in {', '.join(m['dirty'])}" if m["dirty"] else ""
     during = [r["others_busy"] for r in data["requests"]]
     out = [f"Measured {m['date']} at commit `{m['commit']}`{dirty}; {m['cpu']}, {m['cores']} cores; llama-server "
@@ -423,28 +454,24 @@ def markdown(data: dict) -> str:
            + (f" Not in this build, so not run: {', '.join(m['missing'])}." if m.get("missing") else "")
            + (f" Renamed since: {m['renamed']}." if m.get("renamed") else ""),
            "",
-           "| model | workload | system | tok/s | × none | × best llama-server | acceptance | = none |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| model | workload | system | tok/s | × none | × best llama-server | "
+           + ("× best llama-server exact | " if exact else "") + "acceptance | = none |",
+           "|---|---|---|---|---|---|---|---|" + "---|" * exact]
     for r in rows:
         acc = "—" if r["acceptance"] is None else f"{r['acceptance']:.2f} ({r['accepted']} / {r['drafted']})"
         eq = "—" if r["equal_none"] is None else "yes" if r["equal_none"] else "**no**"
         out.append(f"| {r['model']} | {r['workload']} | {LABELS.get(r['system'], r['system'])} | {r['gen_tps']:.1f} "
                    f"({r['gen_min']:.0f}–{r['gen_max']:.0f}) | {_f(r['x_none'], '.2f')} | {_f(r['x_best'], '.2f')} | "
-                   f"{acc} | {eq} |")
-    best = sorted({(r["model"], r["workload"], r["best"]) for r in rows if r["best"]})
-    if best:
-        out += ["", "Best llama-server per workload: " + "; ".join(f"{md} / {w}: {LABELS.get(b, b)}" for md, w, b in best)
-                + "."]
-    suffix = [r for r in rows if r["system"] == "suffix"]
-    if suffix:
-        fast = [r for r in suffix if r["x_best"] is not None and r["x_best"] >= 1.3]
-        slow = [r for r in suffix if r["x_none"] is not None and r["x_none"] < 1.0]
-        on = ", ".join(f"{r['model']} / {r['workload']}" for r in fast)
-        below = ", ".join(f"{r['model']} / {r['workload']} {r['x_none']:.2f}×" for r in slow)
-        out += ["", f"Issue 50's goals for `suffix`: ≥ 1.3× the best llama-server on {len(fast)} of "
-                    f"{sum(r['x_best'] is not None for r in suffix)} workloads" + (f" (on: {on})" if on else "")
-                    + f"; below `none` on {len(slow)} of {sum(r['x_none'] is not None for r in suffix)}"
-                    + (f" ({below})" if below else "") + "."]
+                   + (f"{_f(r.get('x_exact'), '.2f')} | " if exact else "") + f"{acc} | {eq} |")
+    for key, what in (("best", "Best llama-server"), ("best_exact", "Best llama-server exact")):
+        best = sorted({(r["model"], r["workload"], r[key]) for r in rows if r.get(key)})
+        if best:
+            out += ["", f"{what} per workload: " + "; ".join(f"{md} / {w}: {LABELS.get(b, b)}" for md, w, b in best)
+                    + "."]
+    for system in ("suffix", "auto"):
+        mine = [r for r in rows if r["system"] == system]
+        if mine:
+            out += ["", f"Issue 50's goals for `{system}`: " + goals(mine, exact)]
     autos = [sv for sv in data.get("servers", []) if sv["system"] == "auto" and not sv.get("error")]
     if autos:
         out += ["", "`auto` chose (at its server's start, on its built-in prompt): " + "; ".join(

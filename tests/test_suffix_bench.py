@@ -75,3 +75,25 @@ def test_auto_choice_from_the_server_log(tmp_path):
     log.write_text("no such line\n")
     assert sb.auto_choice(log) is None
     assert sb.auto_choice(tmp_path / "missing.log") is None
+
+
+def test_exact_llama_server_is_its_own_best_and_column():
+    """llama-server on exact mode's kernels writes specrun's text: its best is reported apart from
+    the default llama-server's, in its own column and verdict, and its command carries the flags."""
+    rs = [rec("none", 0, 100, 1000, "a"), rec("auto", 0, 100, 400, "a", 50, 40),
+          rec("llama-server:ngram-mod", 0, 100, 500, "a2"), rec("llama-server-exact:ngram-mod", 0, 100, 800, "a")]
+    rows = {r["system"]: r for r in sb.summarize(rs)}
+    assert rows["auto"]["x_best"] == pytest.approx(1.25) and rows["auto"]["best"] == "llama-server:ngram-mod"
+    assert rows["auto"]["x_exact"] == pytest.approx(2.0) and rows["auto"]["best_exact"] == "llama-server-exact:ngram-mod"
+    data = {"meta": {"date": "d", "commit": "c", "dirty": [], "cpu": "CPU", "cores": 2, "llama_server_version": "",
+                     "threads": 2, "ctx": 4096, "n_predict": 100, "reps": 1, "max_busy": 0.25, "missing": [],
+                     "workloads": {"w": {"what": "a test", "requests": 1, "history": False}}},
+            "servers": [], "requests": rs}
+    md = sb.markdown(data)
+    assert "| m | w | auto | 250.0 (250–250) | 2.50 | 1.25 | 2.00 | 0.80 (40 / 50) | yes |" in md
+    assert ("Issue 50's goals for `auto`: ≥ 1.3× the best llama-server on 0 of 1 workloads; ≥ 1.3× the best "
+            "llama-server exact on 1 of 1 workloads (on: m / w); below `none` on 0 of 1.") in md
+    s = next(s for s in sb.SYSTEMS if s.name == "llama-server-exact:ngram-mod")
+    args = type("A", (), {"threads": 2, "ctx": 4096, "llama_server": "LS", "suffix_args": ""})
+    cmd = sb.command(s, "m", "P", 8080, args)
+    assert cmd[:4] == ["env", "GGML_CPU_TILED_MM=0", "LS", "-m"] and cmd[5:8] == ["-nr", "-ctk", "q8_0"]
