@@ -572,8 +572,10 @@ class BatchEngine:
                 asked.append((i, 0))
                 continue
             # the proposal is pending now (or continues the pending one): at least one candidate
-            v, _, cut = dl.best_cut(draft.tokens, len(ctx), room, self.pass_cost) if several else (0.0, [], draft.tokens)
-            a, toks = max(dl.candidates(draft.tokens, len(ctx)), key=lambda c: expected_tokens(c[0], min(len(c[1]), room)))
+            v, _, cut = dl.best_cut(draft.tokens, len(ctx), room, self.pass_cost, draft.kind) if several \
+                else (0.0, [], draft.tokens)
+            a, toks = max(dl.candidates(draft.tokens, len(ctx), draft.kind),
+                          key=lambda c: expected_tokens(c[0], min(len(c[1]), room)))
             asked.append((i, len(cut)))
             if best is None or v > best[0]:
                 best = (v, a, toks, i)

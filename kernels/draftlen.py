@@ -401,6 +401,8 @@ class DraftLength:
     n: int = 0                 # the length to ask for now
     shadow: tuple[int, np.ndarray] | None = None   # pending proposal: (position of its first token, int32 [k])
     at: int = 0                # the pending proposal's first token's position in its copy (0 or 1)
+    kind: str = ""             # the pending proposal's Draft.kind
+    kinds: dict[str, Acceptance] = field(default_factory=dict)   # each named kind's acceptance ("": acc)
     run_end: int = -1          # where the last scored proposal ended if the text matched all of it
     idle: int = 0              # steps before a held-back free drafter is asked again (pace)
 
@@ -416,6 +418,15 @@ class DraftLength:
     def _best(self, cost: PassCost) -> int:
         return best_length(self.acc.rates(self.cap), cost, self.cap, self.k_min)
 
+    def of_kind(self, kind: str) -> Acceptance:
+        """The acceptance of proposals of this Draft.kind: suffix's copies of earlier answers (global)
+        are right more often than those of the request's own text, and each is judged by its own."""
+        if not kind:
+            return self.acc
+        if kind not in self.kinds:
+            self.kinds[kind] = Acceptance.of_copies() if self.k_min == 0 else Acceptance()
+        return self.kinds[kind]
+
     def start(self, cost: PassCost) -> None:
         self.n = self._best(cost) if self.adaptive else self.cap
 
@@ -426,49 +437,50 @@ class DraftLength:
             self.acc.record(n_drafted, n_accepted)
             self.n = self._best(cost)
 
-    def take(self, proposal: np.ndarray, pos: int, limit: int, cost: PassCost) -> np.ndarray:
+    def take(self, proposal: np.ndarray, pos: int, limit: int, cost: PassCost, kind: str = "") -> np.ndarray:
         """The tokens to verify at positions pos.. (int32 [k], k <= limit; 0: held back), from a
-        free drafter's proposal (int32, may be empty), which becomes the pending proposal if none is.
-        Of candidates(), the cut with the most expected tokens per second is drafted."""
-        return self.best_cut(proposal, pos, limit, cost)[2]
+        free drafter's proposal (int32, may be empty; kind: its Draft.kind), which becomes the pending
+        proposal if none is. Of candidates(), the cut with the most expected tokens per second is drafted."""
+        return self.best_cut(proposal, pos, limit, cost, kind)[2]
 
     def best_cut(self, proposal: np.ndarray, pos: int, limit: int,
-                 cost: PassCost) -> tuple[float, list[float], np.ndarray]:
+                 cost: PassCost, kind: str = "") -> tuple[float, list[float], np.ndarray]:
         """take()'s choice as (its expected tokens per second E(k) / t(k + 1), its candidate's
         per-position rates, the cut: int32 [k]). A held-back drafter's value is a plain step's,
         1 / t(1), which any draft that pays beats: the engine drafts from the free drafter whose
         cut has the highest value."""
         best: tuple[float, list[float], np.ndarray] = (1.0 / cost.at(1), [], proposal[:0])   # nothing pending
-        for i, (a, toks) in enumerate(self.candidates(proposal, pos)):
+        for i, (a, toks) in enumerate(self.candidates(proposal, pos, kind)):
             k = best_length(a, cost, min(len(toks), limit, self.cap), 0)
             v = expected_tokens(a, k) / cost.at(k + 1)
             if i == 0 or v > best[0]:
                 best = (v, a, toks[:k])
         return best
 
-    def candidates(self, proposal: np.ndarray, pos: int) -> list[tuple[list[float], np.ndarray]]:
+    def candidates(self, proposal: np.ndarray, pos: int, kind: str = "") -> list[tuple[list[float], np.ndarray]]:
         """What a free drafter may draft at positions pos..: (per-position rates, int32 [k] tokens)
         pairs. The proposal becomes the pending one if none is. The pending one, right so far for
         its first j tokens, offers the rest of its copy, judged by the rates from position j on (a
         copy that started right tends to stay right); a proposal that continues it is the same copy;
         one that does not is judged by the rates from the start. A new pending proposal that starts
         where the last one was right to its end is judged from a copy's second token (the text is
-        still copying). None while nothing is pending."""
+        still copying). Each is judged by the rates of its kind (Draft.kind; the pending one's for
+        its copy). None while nothing is pending."""
         if self.shadow is None and len(proposal):
-            self.shadow, self.at = (pos, proposal), int(pos == self.run_end)
+            self.shadow, self.at, self.kind = (pos, proposal), int(pos == self.run_end), kind
         if self.shadow is None:
             return []
         p0, pend = self.shadow
         j = pos - p0
-        cands = [(self.at if j == 0 else 0, proposal)]
+        cands = [(self.at if j == 0 else 0, proposal, kind if j else self.kind)]
         if 0 < j < len(pend):
             rest = pend[j:]
             m = min(len(proposal), len(rest))
             if m and np.array_equal(proposal[:m], rest[:m]):
-                cands = [(self.at + j, proposal if len(proposal) >= len(rest) else rest)]
+                cands = [(self.at + j, proposal if len(proposal) >= len(rest) else rest, self.kind)]
             else:
-                cands.append((self.at + j, rest))
-        return [(self.acc.rates(self.cap + off)[off:], toks) for off, toks in cands]
+                cands.append((self.at + j, rest, self.kind))
+        return [(self.of_kind(k).rates(self.cap + off)[off:], toks) for off, toks, k in cands]
 
     def ask(self) -> bool:
         """Whether to ask the drafter for a proposal this step (False: a paced step, counted)."""
@@ -490,7 +502,7 @@ class DraftLength:
             n_ok, done = score_shadow(self.shadow, ctx_tokens)
             if done:
                 p0, toks = self.shadow
-                self.acc.record(len(toks), n_ok, self.at)
+                self.of_kind(self.kind).record(len(toks), n_ok, self.at)
                 self.n = self._best(cost)
                 self.shadow, self.run_end = None, p0 + len(toks) if n_ok == len(toks) else -1
 

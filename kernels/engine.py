@@ -551,7 +551,7 @@ class Engine:
                 continue
             draft = ask(d, ctx, cap, st.drafters[i], stops, self.model)
             if dl.free:
-                v, _, toks = dl.best_cut(draft.tokens, len(ctx), cap, self.pass_cost)
+                v, _, toks = dl.best_cut(draft.tokens, len(ctx), cap, self.pass_cost, draft.kind)
                 dl.pace(len(toks), st.drafters[i].t_per_call, self.pass_cost)
                 if len(toks) and len(toks) >= n_min and (best is None or v > best[0]):
                     best = (v, Draft(toks), i)   # n-grams: no probs

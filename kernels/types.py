@@ -61,10 +61,13 @@ class Draft:
     probs:  float32 [k, n_vocab], the drafter's distribution q at each drafted position (after
             the same temperature/top-k/top-p/min-p transforms as the target), or None for a
             deterministic proposer (n-grams, greedy drafting): one-hot q.
+    kind:   where a copy drafter found it ("": its one source; suffix: "own" or "global"); the
+            adaptive length learns each kind's acceptance apart (DraftLength)
     """
 
     tokens: np.ndarray
     probs: np.ndarray | None = None
+    kind: str = ""
 
     @staticmethod
     def empty() -> Draft:
@@ -79,7 +82,7 @@ _EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None)
 
 def draft_head(d: Draft, k: int) -> Draft:
     """The draft's first k tokens (d itself when it has no more)."""
-    return d if k >= len(d) else Draft(d.tokens[:k], None if d.probs is None else d.probs[:k])
+    return d if k >= len(d) else Draft(d.tokens[:k], None if d.probs is None else d.probs[:k], d.kind)
 
 
 @dataclass(frozen=True, slots=True)

@@ -508,3 +508,27 @@ def test_best_cut_values_a_draft_that_pays_above_a_plain_step():
     assert v == pytest.approx(expected_tokens(a, 16) / c.at(17)) and v > 1 / c.at(1)
     v0, _, cut0 = unsure.best_cut(proposal, 0, 16, c)
     assert len(cut0) == 0 and v0 == pytest.approx(1 / c.at(1)) and v0 < v
+
+
+def test_each_kind_of_proposal_is_judged_by_its_own_acceptance():
+    """suffix's copies of earlier answers (kind "global") and of the request's own text ("own") are
+    scored apart: a drafter whose own-text copies keep failing is held back on them, and still drafts
+    a global copy in full; the kinds do not touch each other's counts or the kindless acceptance."""
+    c = PassCost()
+    for r in (1, 9):
+        c.record(r, 1 + r / 4)
+    dl = DraftLength(16, True, 0)
+    dl.start(c)
+    base = (list(dl.acc.reached), list(dl.acc.accepted))
+    for i in range(6):
+        p0 = 32 * i
+        dl.candidates(np.arange(p0, p0 + 16, dtype=np.int32), p0, "global")     # right to its end
+        dl.score([*range(p0 + 16)], c)
+        dl.candidates(np.arange(16, dtype=np.int32), p0 + 20, "own")             # wrong at its first token
+        dl.score([*range(p0 + 20), -1], c)
+    assert (dl.acc.reached, dl.acc.accepted) == base
+    assert dl.of_kind("global").rates(1)[0] > 0.9 > 0.1 > dl.of_kind("own").rates(1)[0]
+    proposal = np.arange(500, 516, dtype=np.int32)
+    assert len(dl.best_cut(proposal, 1000, 16, c, "own")[2]) == 0
+    dl.shadow = None                                                              # a new step, nothing pending
+    assert len(dl.best_cut(proposal, 1000, 16, c, "global")[2]) == 16

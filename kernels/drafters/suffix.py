@@ -520,7 +520,7 @@ class Suffix:
             other = self.store.speculate(pattern, n_max, p, best.score)
             if other.match:
                 best, self.last_source = other, "global"
-        return Draft(best.tokens, None) if best.match else Draft.empty()
+        return Draft(best.tokens, None, self.last_source) if best.match else Draft.empty()
 
     def accept(self, tp: TargetPass) -> None:
         """Nothing to roll back: the text arrives with the next propose()."""
