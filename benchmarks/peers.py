@@ -609,6 +609,7 @@ def markdown(data: dict) -> str:
             "| specrun ÷ llama-server | specrun prompt tok/s | llama-server prompt tok/s | prompt ÷ |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
+    marked = 0        # ratios over two different texts
     for w in workloads:
         for s in settings:
             a, b = by.get((w, s, "specrun")), by.get((w, s, "llama-server"))
@@ -621,22 +622,31 @@ def markdown(data: dict) -> str:
                 if b:
                     label += (f" (llama-server beside it: its best, {b['partner']})" if b.get("partner")
                               else f" (llama-server: its best, {b['setting']})")
-                    verdicts.append((w, a["gen_tps"] >= b["gen_tps"], a["equal_none"]))
+                    verdicts.append((w, a["gen_tps"] >= b["gen_tps"], a["equal_none"], a["text"] != b["text"]))
             cells = [w, label]
             for r in (a, b):
                 tps = f"{r['gen_tps']:.1f} ({r['gen_min']:.0f}–{r['gen_max']:.0f})" if r else "—"
                 cells += [tps, _f(r and r["x_none"], ".2f"), _eq(r and r["equal_none"])]
             both = a is not None and b is not None
-            cells += [_f(a["gen_tps"] / b["gen_tps"] if both else None, ".2f"),
+            other = both and a["text"] != b["text"]
+            marked += other
+            cells += [_f(a["gen_tps"] / b["gen_tps"] if both else None, ".2f") + "†" * other,
                       _f(a and a["prompt_tps"], ".0f"), _f(b and b["prompt_tps"], ".0f"),
                       _f(a["prompt_tps"] / b["prompt_tps"] if both else None, ".2f")]
             out.append("| " + " | ".join(cells) + " |")
+    if marked:
+        out += ["", "†: the two servers wrote different texts (llama.cpp's default kernels are not specrun's exact "
+                    "ones), so the ratio compares two texts, not two ways of drafting one; `benchmarks/exact_peers.py` "
+                    "runs llama-server on exact mode's kernels."]
     if verdicts:
-        won = [w for w, faster, _ in verdicts if faster]
-        same = [w for w, _, eq in verdicts if eq]
+        won = [w for w, faster, _, _ in verdicts if faster]
+        same = [w for w, _, eq, _ in verdicts if eq]
+        differ = sum(d for *_, d in verdicts)
         out += ["", f"`auto` ≥ llama-server's best of {{{', '.join(PEER_SETTINGS)}}}: {len(won)} of {len(verdicts)} "
-                    f"workloads" + (f" (not on: {', '.join(w for w, f, _ in verdicts if not f)})" if len(won) < len(verdicts)
-                                    else "") + f"; `auto`'s text = `none`'s: {len(same)} of {len(verdicts)}."]
+                    f"workloads" + (f" (not on: {', '.join(w for w, f, _, _ in verdicts if not f)})"
+                                    if len(won) < len(verdicts) else "")
+                    + (f"; the two texts differ on {differ} of the {len(verdicts)} (†)" if differ else "")
+                    + f"; `auto`'s text = `none`'s: {len(same)} of {len(verdicts)}."]
     twins = [by[(w, "auto", "specrun")]["x_none"] for w in workloads if (w, "auto", "specrun") in by
              and chosen(autos.get(m["workloads"][w]["model"]), by[(w, "auto", "specrun")]["spec"]) == "none"]
     if twins:

@@ -63,11 +63,12 @@ def test_markdown_rows():
     assert cells("none") == ["code-rewrite", "none", "62.0 (60–64)", "1.00", "yes", "100.0 (90–110)", "1.00", "yes", "0.62",
                              "500", "1001", "0.50"]
     assert cells("ngram-simple") == ["code-rewrite", "ngram-simple", "124.0 (120–130)", "2.00", "yes", "150.0 (140–160)", "1.50",
-                                     "**no**", "0.83", "400", "800", "0.50"]
+                                     "**no**", "0.83†", "400", "800", "0.50"]   # llama-server's text: "other"
     auto = cells("auto → ngram-simple size-n 3 size-m 16 (llama-server: its best, ngram-simple)")
-    assert auto[2:] == ["93.0 (93–93)", "1.50", "yes", "150.0 (140–160)", "1.50", "**no**", "0.62", "500", "800", "0.62"]
+    assert auto[2:] == ["93.0 (93–93)", "1.50", "yes", "150.0 (140–160)", "1.50", "**no**", "0.62†", "500", "800", "0.62"]
     assert "`auto` ≥ llama-server's best of {none, ngram-simple, ngram-simple n3 m16}: 0 of 1 workloads " \
-           "(not on: code-rewrite); `auto`'s text = `none`'s: 1 of 1." in md
+           "(not on: code-rewrite); the two texts differ on 1 of the 1 (†); `auto`'s text = `none`'s: 1 of 1." in md
+    assert "†: the two servers wrote different texts" in md
     assert "commit `abc1234`" in md and "40 prompt tokens" in md and "after one warm-up" in md
     assert "identical between specrun and llama-server: 1 of 1 workloads." in md
 
