@@ -63,7 +63,7 @@ AUTO = SpecParams(types=("ngram-simple",), ngram_size_n=2, ngram_size_m=16, ngra
                   verify="match", suffix=SuffixParams(max_cached_requests=0))
 SETS = {   # --set: (settings, default workloads)
     "fixed": ({"none": SpecParams(verify="match"), "fixed n3 m16": NGRAM, "adaptive n3 m16": replace(NGRAM, adaptive=True)},
-              tuple(WORKLOADS)[:7]),
+              tuple(w for w in WORKLOADS if not w.startswith("long-prompt"))),
     "auto": ({"none": SpecParams(verify="match"), "ngram n2 m16": AUTO,
               "ngram n2 m16 + suffix": replace(AUTO, types=("ngram-simple", "suffix")),
               "suffix": replace(AUTO, types=("suffix",))}, tuple(WORKLOADS)),
