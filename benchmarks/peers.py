@@ -622,14 +622,15 @@ def markdown(data: dict) -> str:
                 if b:
                     label += (f" (llama-server beside it: its best, {b['partner']})" if b.get("partner")
                               else f" (llama-server: its best, {b['setting']})")
-                    verdicts.append((w, a["gen_tps"] >= b["gen_tps"], a["equal_none"], a["text"] != b["text"]))
+            both = a is not None and b is not None
+            other = both and a["text"] != b["text"]
+            marked += other
+            if s == "auto" and both:
+                verdicts.append((w, a["gen_tps"] >= b["gen_tps"], a["equal_none"], other))
             cells = [w, label]
             for r in (a, b):
                 tps = f"{r['gen_tps']:.1f} ({r['gen_min']:.0f}–{r['gen_max']:.0f})" if r else "—"
                 cells += [tps, _f(r and r["x_none"], ".2f"), _eq(r and r["equal_none"])]
-            both = a is not None and b is not None
-            other = both and a["text"] != b["text"]
-            marked += other
             cells += [_f(a["gen_tps"] / b["gen_tps"] if both else None, ".2f") + "†" * other,
                       _f(a and a["prompt_tps"], ".0f"), _f(b and b["prompt_tps"], ".0f"),
                       _f(a["prompt_tps"] / b["prompt_tps"] if both else None, ".2f")]

@@ -412,8 +412,12 @@ class DraftLength:
         return self.adaptive and self.k_min == 0
 
     def __post_init__(self) -> None:
-        if self.k_min == 0 and self.acc == Acceptance():   # a free drafter's default prior: copies'
-            self.acc = Acceptance.of_copies()
+        if self.k_min == 0 and self.acc == Acceptance():
+            self.acc = self._prior()
+
+    def _prior(self) -> Acceptance:
+        """A fresh acceptance: a free drafter's prior is copies' (Acceptance.of_copies)."""
+        return Acceptance.of_copies() if self.k_min == 0 else Acceptance()
 
     def _best(self, cost: PassCost) -> int:
         return best_length(self.acc.rates(self.cap), cost, self.cap, self.k_min)
@@ -424,7 +428,7 @@ class DraftLength:
         if not kind:
             return self.acc
         if kind not in self.kinds:
-            self.kinds[kind] = Acceptance.of_copies() if self.k_min == 0 else Acceptance()
+            self.kinds[kind] = self._prior()
         return self.kinds[kind]
 
     def start(self, cost: PassCost) -> None:

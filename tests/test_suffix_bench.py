@@ -45,6 +45,14 @@ def rec(system, turn, n, ms, text, drafted=0, accepted=0, rep=0):
             "draft_n": drafted, "draft_n_accepted": accepted, "others_busy": 0.0}
 
 
+def run_of(rs: list[dict], n_requests: int) -> dict:
+    """A run's JSON around these requests: one rep of workload "w" (n_requests requests)."""
+    return {"meta": {"date": "d", "commit": "c", "dirty": [], "cpu": "CPU", "cores": 2, "llama_server_version": "",
+                     "threads": 2, "ctx": 4096, "n_predict": 100, "reps": 1, "max_busy": 0.25, "missing": [],
+                     "workloads": {"w": {"what": "a test", "requests": n_requests, "history": False}}},
+            "servers": [], "requests": rs}
+
+
 def test_summary_and_table():
     rs = [rec("none", 0, 100, 1000, "a"), rec("none", 1, 100, 1000, "b"),
           rec("suffix", 0, 100, 500, "a", 60, 50), rec("suffix", 1, 100, 300, "b", 40, 30),
@@ -58,11 +66,7 @@ def test_summary_and_table():
     assert rows["suffix"]["acceptance"] == pytest.approx(0.8) and rows["suffix"]["equal_none"] is True
     assert rows["ngram-mod"]["equal_none"] is False
     assert rows["ngram-mod"]["diffs"] == [(0, 1, 'at character 1 of 1: "" vs "X"')]
-    data = {"meta": {"date": "d", "commit": "c", "dirty": [], "cpu": "CPU", "cores": 2, "llama_server_version": "",
-                     "threads": 2, "ctx": 4096, "n_predict": 100, "reps": 1, "max_busy": 0.25, "missing": [],
-                     "workloads": {"w": {"what": "a test", "requests": 2, "history": False}}},
-            "servers": [], "requests": rs}
-    md = sb.markdown(data)
+    md = sb.markdown(run_of(rs, 2))
     assert "| m | w | suffix | 250.0 (250–250) | 2.50 | 2.00 | 0.80 (80 / 100) | yes |" in md
     assert "- m / w / ngram-mod: rep 1, request 2, at character 1 of 1" in md
     assert "≥ 1.3× the best llama-server on 1 of 1 workloads (on: m / w)" in md
@@ -85,11 +89,7 @@ def test_exact_llama_server_is_its_own_best_and_column():
     rows = {r["system"]: r for r in sb.summarize(rs)}
     assert rows["auto"]["x_best"] == pytest.approx(1.25) and rows["auto"]["best"] == "llama-server:ngram-mod"
     assert rows["auto"]["x_exact"] == pytest.approx(2.0) and rows["auto"]["best_exact"] == "llama-server-exact:ngram-mod"
-    data = {"meta": {"date": "d", "commit": "c", "dirty": [], "cpu": "CPU", "cores": 2, "llama_server_version": "",
-                     "threads": 2, "ctx": 4096, "n_predict": 100, "reps": 1, "max_busy": 0.25, "missing": [],
-                     "workloads": {"w": {"what": "a test", "requests": 1, "history": False}}},
-            "servers": [], "requests": rs}
-    md = sb.markdown(data)
+    md = sb.markdown(run_of(rs, 1))
     assert "| m | w | auto | 250.0 (250–250) | 2.50 | 1.25 | 2.00 | 0.80 (40 / 50) | yes |" in md
     assert ("Issue 50's goals for `auto`: ≥ 1.3× the best llama-server on 0 of 1 workloads; ≥ 1.3× the best "
             "llama-server exact on 1 of 1 workloads (on: m / w); below `none` on 0 of 1.") in md
