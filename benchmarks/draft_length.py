@@ -9,7 +9,10 @@ exact mode, one request at a time:
     cap), and the same with --spec-draft-adaptive;
   * --set auto: `none` and the copy drafters chat's and serve's `auto` may run: ngram-simple
     size-n 2 / size-m 16 (longest match) adaptive, the same beside suffix (each step drafts from the
-    one whose cut pays more), and suffix alone; suffix without its global tree (a first request's).
+    one whose cut pays more), and suffix alone; suffix without its global tree (a first request's);
+  * --set sessions: the same settings on suffix_bench.py's sessions (a workload per model: its
+    requests in order, each after the last on one engine, as one server slot serves them), suffix
+    with its global tree (fresh per session); a row sums the session's requests.
 Two speeds per row, both against `none`:
 
   * modeled: each pass's rows priced by one pass-cost curve t(r), measured once per model at the start
@@ -32,19 +35,23 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 from specrun.gguf_spec.registry import resolve_model
 from specrun.kernels.calibrate import measure_verify_cost
+from specrun.kernels.chat_template import template_for
+from specrun.kernels.drafters.suffix import private_stores
 from specrun.kernels.draftlen import PassCost, curve_rows
 from specrun.kernels.engine import Engine
 from specrun.kernels.params import EngineParams, SpecParams, SuffixParams
-from specrun.kernels.types import SamplingParams
+from specrun.kernels.types import SamplingParams, Stops
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from peers import cpu_model, git_state  # noqa: E402
+from suffix_bench import MODELS, STOP, load_workloads, request_body  # noqa: E402
 
 PROMPTS = ROOT / "benchmarks" / "prompts"
 WORKLOADS = {   # name: (model, prompt file), as in benchmarks/peers.py
@@ -61,12 +68,15 @@ WORKLOADS = {   # name: (model, prompt file), as in benchmarks/peers.py
 NGRAM = SpecParams(types=("ngram-simple",), ngram_size_n=3, ngram_size_m=16, verify="match")
 AUTO = SpecParams(types=("ngram-simple",), ngram_size_n=2, ngram_size_m=16, ngram_match="longest", adaptive=True,
                   verify="match", suffix=SuffixParams(max_cached_requests=0))
+SESSIONS = {f"{w.name}:{m}": (m, w) for m in MODELS for w in load_workloads()}   # suffix_bench's
+AUTO_SET = {"none": SpecParams(verify="match"), "ngram n2 m16": AUTO,
+            "ngram n2 m16 + suffix": replace(AUTO, types=("ngram-simple", "suffix")),
+            "suffix": replace(AUTO, types=("suffix",))}
 SETS = {   # --set: (settings, default workloads)
     "fixed": ({"none": SpecParams(verify="match"), "fixed n3 m16": NGRAM, "adaptive n3 m16": replace(NGRAM, adaptive=True)},
               tuple(w for w in WORKLOADS if not w.startswith("long-prompt"))),
-    "auto": ({"none": SpecParams(verify="match"), "ngram n2 m16": AUTO,
-              "ngram n2 m16 + suffix": replace(AUTO, types=("ngram-simple", "suffix")),
-              "suffix": replace(AUTO, types=("suffix",))}, tuple(WORKLOADS)),
+    "auto": (AUTO_SET, tuple(WORKLOADS)),
+    "sessions": ({s: replace(p, suffix=SuffixParams()) for s, p in AUTO_SET.items()}, tuple(SESSIONS)),
 }
 GREEDY = SamplingParams(temp=0.0)
 
@@ -102,6 +112,55 @@ def measure_curve(e: Engine, rows: tuple[int, ...] = CURVE_ROWS) -> dict[int, li
     return {r: [32, t] for r, t in zip(vc.rows, vc.s, strict=True)}
 
 
+def model_of(w: str) -> str:
+    return SESSIONS[w][0] if w in SESSIONS else WORKLOADS[w][0]
+
+
+def _sums(st) -> Counter:
+    return Counter({"passes": st.n_target_passes, "drafted": st.n_drafted, "accepted": st.n_accepted,
+                    "n_gen": st.n_gen, "t_gen_s": st.t_gen_s})
+
+
+def _to_stop(e: Engine, toks: list[int]) -> list[int] | None:
+    """toks up to the one whose text completes a stop string; None if their text has none."""
+    def stopped(k: int) -> bool:
+        return any(x in e.model.detokenize(toks[:k]) for x in STOP)
+    return next(toks[:j] for j in range(1, len(toks) + 1) if stopped(j)) if stopped(len(toks)) else None
+
+
+def run_workload(e: Engine, w: str, spec: SpecParams, n_predict: int) -> tuple[list[int], Counter]:
+    """A workload's run under spec on engine e (its pass_cost set by the caller): every token of its
+    requests in order, and the stats summed over them (passes, drafted, accepted, n_gen, t_gen_s)."""
+    if w in WORKLOADS:
+        gen = e.generate(e.tokenize((PROMPTS / WORKLOADS[w][1]).read_text()), n_predict, GREEDY, spec=spec)
+        return [t for c in gen for t in c], _sums(gen.stats)
+    model, wl = SESSIONS[w]
+    kind = MODELS[model]
+    stops = Stops.of(STOP) if kind == "completion" else Stops()
+    template = template_for(e.model) if kind == "chat" else None
+    answers: list[str] = []
+    toks: list[int] = []
+    sums: Counter = Counter()
+    e.reset(drafters=True)                     # a fresh server per session: no KV, no drafter
+    with private_stores():                     # ... and a fresh global tree
+        for i in range(len(wl.users)):
+            _, body = request_body(wl, kind, i, answers, n_predict)
+            text = template.render(body["messages"]) if template else body["prompt"]
+            gen = e.generate(e.tokenize(text), n_predict, GREEDY, spec=spec, stops=stops)
+            got: list[int] = []
+            for chunk in gen:
+                got += chunk
+                cut = _to_stop(e, got) if kind == "completion" else None
+                if cut is not None:            # a pass may emit tokens past the stop: the server cuts them
+                    got = cut
+                    gen.close()
+                    break
+            answers.append(min((e.model.detokenize(got).split(x)[0] for x in STOP), key=len))
+            toks += got
+            sums.update(_sums(gen.stats))
+    return toks, sums
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--set", choices=tuple(SETS), default="fixed", help="the settings compared (see above)")
@@ -116,30 +175,27 @@ def main() -> None:
     names = [w for w in args.workloads.split(",") if w] if args.workloads else list(default)
     args.out = args.out or str(ROOT / "benchmarks" / "results" / ("draft_length.json" if args.set == "fixed"
                                                                   else f"draft_length_{args.set}.json"))
-    bad = [w for w in names if w not in WORKLOADS]
+    bad = [w for w in names if w not in WORKLOADS and w not in SESSIONS]
     if bad:
-        sys.exit(f"unknown workload(s) {', '.join(bad)}; known: {', '.join(WORKLOADS)}")
+        sys.exit(f"unknown workload(s) {', '.join(bad)}; known: {', '.join([*WORKLOADS, *SESSIONS])}")
     rows, curves = [], {}
     given = json.loads(Path(args.curves).read_text())["curves_ms"] if args.curves else {}
-    for model in dict.fromkeys(WORKLOADS[w][0] for w in names):
+    for model in dict.fromkeys(model_of(w) for w in names):
         with Engine(str(resolve_model(model)), EngineParams(n_ctx=4096, n_threads=args.threads)) as e:
             curves[model] = ({int(r): [32, ms / 1e3] for r, ms in given[model].items()} if model in given
                              else measure_curve(e))
             print(f"[draft-length] {model} pass cost: " + ", ".join(
                 f"{r} rows {v[1] * 1e3:.1f} ms" for r, v in sorted(curves[model].items())), file=sys.stderr)
-            for w in (w for w in names if WORKLOADS[w][0] == model):
-                prompt = e.tokenize((PROMPTS / WORKLOADS[w][1]).read_text())
+            for w in (w for w in names if model_of(w) == model):
                 got: dict[str, dict] = {s: {"tps": []} for s in settings}
                 for _ in range(args.reps):
                     for s, spec in settings.items():
                         cost = FrozenCost(curves[model])
                         e.pass_cost = cost
-                        gen = e.generate(prompt, args.n_predict, GREEDY, spec=spec)
-                        toks = [t for c in gen for t in c]
-                        st = gen.stats
-                        got[s].update(tokens=toks, passes=st.n_target_passes, drafted=st.n_drafted,
-                                      accepted=st.n_accepted, modeled_s=sum(cost.at(r) for r in cost.rows))
-                        got[s]["tps"].append(st.n_gen / st.t_gen_s)
+                        toks, st = run_workload(e, w, spec, args.n_predict)
+                        got[s].update(tokens=toks, passes=st["passes"], drafted=st["drafted"],
+                                      accepted=st["accepted"], modeled_s=sum(cost.at(r) for r in cost.rows))
+                        got[s]["tps"].append(st["n_gen"] / st["t_gen_s"])
                 base = got["none"]
                 for s, g in got.items():
                     row = {"workload": w, "model": model, "setting": s, "passes": g["passes"],

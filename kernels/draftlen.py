@@ -148,8 +148,10 @@ class PassCost:
     base(rows), then base(rows) by SHAPE_W of the way to seconds / scale; a count's first pass
     sets its base(rows). So the plain steps at a longer context raise the whole curve, not t(1)
     alone: a curve probed near position 0 and read deep into a long context (where every pass
-    costs more, while t(17) / t(1) stays about the same) would otherwise set a stale t(17) against a fresh t(1)
-    and call long drafts cheap. A draft's length depends on the shape only
+    costs more) would otherwise set a stale t(17) against a fresh t(1) and call long drafts cheap.
+    The shape itself can change with depth too (SmolLM2's long passes grow dearer than its short
+    ones: docs/benchmarks.md, "Sessions in one process"); a row count's shape then follows only
+    through its own passes. A draft's length depends on the shape only
     (E(k) / t(k + 1) is compared across k at one level)."""
 
     sums: dict[int, list[float]] = field(default_factory=dict)   # r -> [passes (at most 32), base(r) seconds]

@@ -296,8 +296,15 @@ class Engine:
     def tokenize(self, text: str, add_special: bool = True) -> np.ndarray:
         return self.model.tokenize(text, add_special=add_special)
 
-    def reset(self) -> None:
-        """Forget every cached prompt (the fast prompt context's blocks too); memory stays allocated."""
+    def reset(self, drafters: bool = False) -> None:
+        """Forget every cached prompt (the fast prompt context's blocks too); memory stays allocated.
+        drafters: the cached drafters go too, and what they keep of earlier requests (suffix's global
+        tree), made again as in a fresh process."""
+        if drafters:
+            for d in self._drafters.values():
+                d.close()
+            self._drafters = {}
+            self.drafters = self.drafters_for(self.params.spec)
         self.ctx.clear()
         self.kv_tokens = []
         self._restored, self._prompt_logits = 0, None

@@ -368,3 +368,22 @@ def test_repeated_request_drafts_from_the_global_tree(engine, smollm_path, temp)
         cold = replace(SUFFIX, suffix=SuffixParams(max_cached_requests=0))
         third, st3 = gen(engine, prompt, temp, 64, spec=cold)
         assert third == plain and st3.n_accepted < st2.n_accepted - 20
+
+
+@pytest.mark.slow
+def test_engine_reset_with_drafters_forgets_the_global_tree(engine):
+    """Engine.reset(drafters=True) is a fresh process to the drafters: a repeated request drafts from
+    its own text only, as the first did, where without it the cached drafter's global tree holds
+    the first request's output."""
+    spec = replace(SUFFIX, suffix=SuffixParams(max_cached_requests=77))   # this test's own drafter
+    with private_stores():
+        prompt = engine.tokenize(FREE)
+        first, st1 = gen(engine, prompt, 0.0, 48, spec=spec)
+        engine.reset()
+        again, st2 = gen(engine, prompt, 0.0, 48, spec=spec)
+        engine.reset(drafters=True)
+    with private_stores():
+        fresh, st3 = gen(engine, prompt, 0.0, 48, spec=spec)
+    assert first == again == fresh
+    assert st2.n_accepted > st1.n_accepted + 20
+    assert (st3.n_drafted, st3.n_accepted) == (st1.n_drafted, st1.n_accepted)
