@@ -244,10 +244,7 @@ class Engine:
     def _remake_ctx(self, n_rs_seq: int) -> None:
         """The target context again with n_rs_seq snapshots (a hybrid model's rollback depth). Its KV
         and every cached drafter go (drafters read the target's context); the pass costs start over."""
-        for d in self._drafters.values():
-            d.close()
-        self._drafters = {}
-        self.drafters = []
+        self._drop_drafters()
         params = replace(self.ctx.params, n_rs_seq=n_rs_seq)
         self.ctx.close()
         self.ctx = None
@@ -276,10 +273,14 @@ class Engine:
         self.fast = shared.handle()
         return shared
 
-    def close(self) -> None:
+    def _drop_drafters(self) -> None:
+        """Close every cached drafter; none is made until asked for again."""
         for d in self.__dict__.get("_drafters", {}).values():
             d.close()
-        self._drafters = {}
+        self._drafters, self.drafters = {}, []
+
+    def close(self) -> None:
+        self._drop_drafters()
         if self.__dict__.get("fast") is not None:
             self.fast.close()
         if self.__dict__.get("ctx") is not None:
@@ -301,9 +302,7 @@ class Engine:
         drafters: the cached drafters go too, and what they keep of earlier requests (suffix's global
         tree), made again as in a fresh process."""
         if drafters:
-            for d in self._drafters.values():
-                d.close()
-            self._drafters = {}
+            self._drop_drafters()
             self.drafters = self.drafters_for(self.params.spec)
         self.ctx.clear()
         self.kv_tokens = []
