@@ -1,8 +1,8 @@
 """Many clients at once: specrun serve beside llama-server at -np 1, 2, 4 and 8 (issue 49).
 
     python benchmarks/serve_load.py [--models gemma-3-270m,smollm2-135m-instruct] [--clients 1,2,4,8]
-        [--systems specrun,llama-server] [--settings none,ngram] [--reps 1] [-n 128] [--requests 8]
-        [--label latest] [--out benchmarks/results/serve_load.json]
+        [--systems specrun,llama-server] [--settings none,ngram] [--mix default|repetitive] [--reps 1] [-n 128]
+        [--requests 8] [--label latest] [--out benchmarks/results/serve_load.json]
     python benchmarks/serve_load.py --quick          # a smoke run: one model, 1 and 2 clients, 16 tokens
     python benchmarks/serve_load.py --from-json benchmarks/results/serve_load.json   # re-render, no run
 
@@ -86,12 +86,17 @@ SETTINGS = {
     "ngram": ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "16",
               "--spec-draft-n-max", "16"),
 }
-# The prompts each model's clients send, in this order (each under 512 tokens: specrun's fast
-# prompt context keeps whole 512-token blocks of earlier prompts, which cache_prompt false does not clear).
+# The prompts each model's clients send, in this order. Each is meant to be under 512 tokens: specrun's
+# fast prompt context keeps whole 512-token blocks of earlier prompts, which cache_prompt false does not
+# clear. json_table.txt is 582 of Gemma's tokens (556 of SmolLM2's), so its first block can be reused.
 MIXES = {
     "gemma-3-270m": ("free.txt", "code_rewrite.txt", "json_table.txt", "summary_quotes.txt"),
     "smollm2-135m-instruct": ("summary_quotes.txt", "chat_reuse.txt", "code_rewrite.txt", "free.txt"),
 }
+# --mix repetitive: the peers workloads whose answers copy their prompt (n-grams pay there), the
+# same three for both models, each under 512 tokens
+REPETITIVE = ("code_rewrite.txt", "summary_quotes.txt", "chat_reuse.txt")
+MIX_SETS = {"default": MIXES, "repetitive": {m: REPETITIVE for m in MIXES}}
 WARMUP_TOKENS = 8
 BEGIN, END = "<!-- serve-load:begin -->", "<!-- serve-load:end -->"   # docs/benchmarks.md's block (--docs)
 
@@ -251,13 +256,13 @@ def run(args, save=None) -> dict:
             "cpu": cpu_model(), "cores": os.cpu_count(), "llama_server_version": version, "threads": args.threads,
             "ctx_per_slot": args.ctx, "n_predict": args.n_predict, "requests": args.requests, "reps": args.reps,
             "clients": args.clients, "settings": {s: " ".join(SETTINGS[s]) for s in args.settings},
-            "mixes": {m: [f"benchmarks/prompts/{f}" for f in MIXES[m]] for m in args.models}}
+            "mix": args.mix, "mixes": {m: [f"benchmarks/prompts/{f}" for f in MIX_SETS[args.mix][m]] for m in args.models}}
     phases: list[dict] = []
     servers: list[dict] = []
     texts: dict[str, str] = {}
     for model in args.models:
         path = model_path(args.specrun, model)
-        mix = [(f, (PROMPTS / f).read_text(encoding="utf-8")) for f in MIXES[model]]
+        mix = [(f, (PROMPTS / f).read_text(encoding="utf-8")) for f in MIX_SETS[args.mix][model]]
         for setting in args.settings:
             for c in args.clients:
                 ph, sv = measure_cell(model, path, setting, c, args.systems, mix, args, texts)
@@ -476,6 +481,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--clients", default="1,2,4,8", help="comma-separated client counts (each server: -np that)")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    ap.add_argument("--mix", choices=tuple(MIX_SETS), default="default",
+                    help="the prompts: default (MIXES), or repetitive (answers that copy their prompt)")
     ap.add_argument("--reps", type=int, default=1, help="phases per server and client count")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--requests", type=int, default=8, help="requests a phase sends (at least the most clients)")

@@ -59,3 +59,18 @@ def test_table_counts_goals_by_median_and_by_rep():
     assert "by rep (median of the paired ratios) at 1 of 1" in text
     one = "\n".join(sl.table(run_of(ps[:2], 1)))
     assert "median of the paired ratios" not in one and "| 0.96 | 0.96 |" in one
+
+
+@pytest.mark.slow
+def test_the_repetitive_mix_stays_under_one_prompt_block(gemma_path, smollm_path):
+    """Each repetitive prompt is under 512 tokens of both models: specrun's fast prompt context keeps
+    whole 512-token blocks of earlier prompts, which cache_prompt false does not clear."""
+    from specrun.kernels.llama import Model
+
+    for path in (gemma_path, smollm_path):
+        m = Model(path)
+        try:
+            sizes = {f: len(m.tokenize((sl.PROMPTS / f).read_text(encoding="utf-8"))) for f in sl.REPETITIVE}
+        finally:
+            m.close()
+        assert all(n < 512 for n in sizes.values()), sizes
