@@ -155,7 +155,8 @@ def run_workload(e: Engine, w: str, spec: SpecParams, n_predict: int) -> tuple[l
                     got = cut
                     gen.close()
                     break
-            answers.append(min((e.model.detokenize(got).split(x)[0] for x in STOP), key=len))
+            answer = e.model.detokenize(got)   # /completion's text ends before its stop string
+            answers.append(min((answer.split(x)[0] for x in STOP), key=len) if kind == "completion" else answer)
             toks += got
             sums.update(_sums(gen.stats))
     return toks, sums
