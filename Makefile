@@ -72,9 +72,11 @@ bench-draft-length: install
 bench-draft-length-replay: install
 	$(BIN)/python benchmarks/draft_length_replay.py
 
-# the speed any copy drafter could reach on specrun's exact text (foresight), beside what llama-server's best needs (~1 min)
+# the speed any copy drafter could reach on specrun's exact text (foresight), beside what llama-server's best needs;
+# then the same on issue 50's sessions (~4 min)
 bench-copy-bound: install
 	$(BIN)/python benchmarks/copy_bound.py
+	$(BIN)/python benchmarks/copy_bound.py --sessions -n 96
 
 # local against two loopback `specrun rpc-worker`s, with 0/1/5/20 ms of added round-trip latency
 bench-rpc: install

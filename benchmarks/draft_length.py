@@ -128,12 +128,18 @@ def _to_stop(e: Engine, toks: list[int]) -> list[int] | None:
     return next(toks[:j] for j in range(1, len(toks) + 1) if stopped(j)) if stopped(len(toks)) else None
 
 
-def run_workload(e: Engine, w: str, spec: SpecParams, n_predict: int) -> tuple[list[int], Counter]:
+def run_workload(e: Engine, w: str, spec: SpecParams, n_predict: int,
+                 record: list | None = None) -> tuple[list[int], Counter]:
     """A workload's run under spec on engine e (its pass_cost set by the caller): every token of its
-    requests in order, and the stats summed over them (passes, drafted, accepted, n_gen, t_gen_s)."""
+    requests in order, and the stats summed over them (passes, drafted, accepted, n_gen, t_gen_s).
+    record: if given, gets (prompt tokens, answer tokens) of each request, in order."""
+    record = [] if record is None else record
     if w in WORKLOADS:
-        gen = e.generate(e.tokenize((PROMPTS / WORKLOADS[w][1]).read_text()), n_predict, GREEDY, spec=spec)
-        return [t for c in gen for t in c], _sums(gen.stats)
+        prompt = e.tokenize((PROMPTS / WORKLOADS[w][1]).read_text())
+        gen = e.generate(prompt, n_predict, GREEDY, spec=spec)
+        toks = [t for c in gen for t in c]
+        record.append((prompt.tolist(), toks))
+        return toks, _sums(gen.stats)
     model, wl = SESSIONS[w]
     kind = MODELS[model]
     stops = Stops.of(STOP) if kind == "completion" else Stops()
@@ -146,7 +152,8 @@ def run_workload(e: Engine, w: str, spec: SpecParams, n_predict: int) -> tuple[l
         for i in range(len(wl.users)):
             _, body = request_body(wl, kind, i, answers, n_predict)
             text = template.render(body["messages"]) if template else body["prompt"]
-            gen = e.generate(e.tokenize(text), n_predict, GREEDY, spec=spec, stops=stops)
+            prompt = e.tokenize(text)
+            gen = e.generate(prompt, n_predict, GREEDY, spec=spec, stops=stops)
             got: list[int] = []
             for chunk in gen:
                 got += chunk
@@ -158,6 +165,7 @@ def run_workload(e: Engine, w: str, spec: SpecParams, n_predict: int) -> tuple[l
             answer = e.model.detokenize(got)   # /completion's text ends before its stop string
             answers.append(min((answer.split(x)[0] for x in STOP), key=len) if kind == "completion" else answer)
             toks += got
+            record.append((prompt.tolist(), got))
             sums.update(_sums(gen.stats))
     return toks, sums
 

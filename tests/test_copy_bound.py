@@ -59,3 +59,23 @@ def test_needed_is_llama_servers_best_over_specruns_none(tmp_path):
     p = tmp_path / "peers.json"
     p.write_text(json.dumps({"meta": {}, "requests": runs}))
     assert copy_bound.needed(p) == {"w": pytest.approx(90.0 / 50.0)}
+
+
+def test_a_session_bound_copies_from_earlier_requests():
+    """An answer that repeats an earlier request's answer is a copy in a session, not alone."""
+    answer = list(range(200, 230))
+    alone = copy_bound.copy_bound([1, 2, 3], answer, CURVE, 1)
+    after = copy_bound.copy_bound([1, 2, 3], answer, CURVE, 1, earlier=[9, 1, 2, 3, *answer])
+    assert alone["rows"] == [1] * (len(answer) - 1)
+    assert sum(after["rows"]) == len(answer) - 1 and len(after["rows"]) < 5
+
+
+def test_needed_sessions_reads_a_suffix_bench_run(tmp_path):
+    def req(system, ms, turn=0):
+        return {"model": "m", "workload": "w", "system": system, "rep": 0, "turn": turn, "text": "x",
+                "predicted_n": 100, "predicted_ms": ms, "draft_n": 0, "draft_n_accepted": 0, "others_busy": 0.0}
+    runs = [req("none", 1000.0), req("auto", 500.0), req("llama-server:ngram-mod", 800.0),
+            req("llama-server:ngram-simple", 900.0)]
+    p = tmp_path / "bench.json"
+    p.write_text(json.dumps({"meta": {}, "requests": runs}))
+    assert copy_bound.needed_sessions(p) == {"w:m": {"needed": pytest.approx(1.25), "auto": pytest.approx(2.0)}}
