@@ -538,12 +538,18 @@ class BatchEngine:
             self._probe(gen)
         sids = [s.stream for s in gen]
         ks = share_rows([c[0] for c in cands], [len(c[1]) for c in cands], [c[2] for c in cands],
-                        lambda k: self.pass_cost.split_at(ubatch_rows(
-                            [(sid, 1 + ki) for sid, ki in zip(sids, k, strict=True)], self.ctx.n_ubatch)))
+                        lambda k: self.step_cost(sids, k))
         for s, (_, _, _, i), k in zip(gen, cands, ks, strict=True):
             if i >= 0:                       # a copy drafter held back is asked again in a few steps
                 s.lens[i].pace(k, s.h.stats.drafters[i].t_per_call, self.pass_cost)
         return [Draft.empty() if k == 0 else draft_head(d, k) for (_, d, _, _), k in zip(cands, ks, strict=True)]
+
+    def step_cost(self, streams: Sequence[int], drafts: Sequence[int]) -> float:
+        """Seconds of one decode where the sequence on streams[i] verifies 1 + drafts[i] rows: the
+        ubatches llama.cpp makes of them, in stream order as step() sorts its rows (slots need not
+        hold their streams in slot order), each priced by the pass-cost curve."""
+        rows = sorted((sid, 1 + k) for sid, k in zip(streams, drafts, strict=True))
+        return self.pass_cost.split_at(ubatch_rows(rows, self.ctx.n_ubatch))
 
     def _candidate(self, s: _Seq, room: int) -> tuple[list[float], Draft, int, int]:
         """(per-position acceptance rates, the draft it may make, its least rows, the copy drafter

@@ -368,6 +368,20 @@ def test_ubatches_follow_llamas_split_over_kv_streams():
     assert ubatch_rows([(0, 0), (1, 3)], 512) == [3]
 
 
+def test_a_batched_step_is_priced_in_stream_order():
+    """Slots need not hold their streams in slot order ((0, 2, 3, 1) after an admission). The decode
+    sorts its rows by stream, so four one-token rows are one ubatch; priced in slot order they were
+    three, which made the plain step look dear and drafts look cheap."""
+    from types import SimpleNamespace
+
+    from specrun.kernels.batch import BatchEngine
+    c = cost(1.0, 0.25)
+    eng = SimpleNamespace(pass_cost=c, ctx=SimpleNamespace(n_ubatch=512))
+    assert BatchEngine.step_cost(eng, [0, 2, 3, 1], [0, 0, 0, 0]) == pytest.approx(c.at(4))
+    assert BatchEngine.step_cost(eng, [0, 2, 3, 1], [0, 4, 4, 0]) == pytest.approx(c.at(4) + c.at(8))
+    assert BatchEngine.step_cost(eng, [0, 2], [0, 0]) == pytest.approx(2 * c.at(1))     # a gap stays a gap
+
+
 def test_a_lone_draft_beside_many_plain_rows_is_a_ubatch_of_its_own():
     """Eight sequences, one with a copy right 90 % of the time: counted as rows of one pass, four
     rows pay; as llama.cpp runs them (a second ubatch, a whole pass more) none do. Two sure copies
