@@ -34,6 +34,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from specrun.gguf_spec.registry import resolve_model
@@ -66,7 +67,7 @@ def longest_copy(text: list[int], pos: int, match_n: int, cap: int) -> int:
 
 
 def copy_bound(prompt: list[int], gen: list[int], curve: dict[int, float], match_n: int,
-               cap: int = EXACT_CAP, earlier: list[int] = ()) -> dict:
+               cap: int = EXACT_CAP, earlier: Sequence[int] = ()) -> dict:
     """Passes of the oracle copy drafter on prompt + gen (gen[0] comes from the prompt's pass), each
     drafting the k <= longest_copy(...) with the most tokens per second for that pass; copies may
     also come from `earlier` (tokens before the prompt: a session's earlier requests). curve:
@@ -131,8 +132,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="free,code-rewrite,verbatim,json-table,chat-reuse,code-rewrite-smollm2")
     ap.add_argument("-n", "--n-predict", type=int, default=128, help="as the peers requests")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--peers", default=str(RESULTS / "peers.json"),
-                    help="a peers.py or exact_peers.py run, for the needed column")
+    ap.add_argument("--peers", help="a peers.py or exact_peers.py run, for the needed column (default: results/peers.json); "
+                                    "with --sessions a suffix_bench.py run (default: results/suffix_alone.json)")
     ap.add_argument("--out", help="default: results/copy_bound.json, or copy_bound_sessions.json")
     ap.add_argument("--sessions", action="store_true", help="issue 50's sessions (see above)")
     args = ap.parse_args()
@@ -143,6 +144,7 @@ def main() -> None:
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
         sys.exit(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
+    args.peers = args.peers or str(RESULTS / "peers.json")
     need = needed(Path(args.peers)) if Path(args.peers).is_file() else {}
     rows, curves = [], {}
     for model in dict.fromkeys(WORKLOADS[w][0] for w in names):
@@ -176,7 +178,7 @@ def main() -> None:
 
 
 def main_sessions(args) -> None:
-    peers = Path(args.peers if args.peers != str(RESULTS / "peers.json") else RESULTS / "suffix_alone.json")
+    peers = Path(args.peers or RESULTS / "suffix_alone.json")
     need = needed_sessions(peers) if peers.is_file() else {}
     rows, curves = [], {}
     for model in dict.fromkeys(m for m, _ in SESSIONS.values()):
