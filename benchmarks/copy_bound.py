@@ -127,6 +127,14 @@ def session_row(e: Engine, w: str, curve: dict[int, float], n_predict: int) -> d
     return row
 
 
+def save(out: Path, n_predict: int, peers: str, curves: dict[str, dict[int, float]], rows: list[dict], md: str) -> None:
+    """The run's JSON (curves in ms, every row) at out, its table next to it (.md)."""
+    out.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "n_predict": n_predict, "peers": peers,
+                               "curves_ms": {m: {r: s * 1e3 for r, s in c.items()} for m, c in curves.items()},
+                               "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="free,code-rewrite,verbatim,json-table,chat-reuse,code-rewrite-smollm2")
@@ -169,12 +177,7 @@ def main() -> None:
            for r in rows]
     text = "\n".join(md) + "\n"
     print(text)
-    out = Path(args.out)
-    out.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "n_predict": args.n_predict,
-                               "peers": Path(args.peers).name,
-                               "curves_ms": {m: {r: s * 1e3 for r, s in c.items()} for m, c in curves.items()},
-                               "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(text)
+    save(Path(args.out), args.n_predict, Path(args.peers).name, curves, rows, text)
 
 
 def main_sessions(args) -> None:
@@ -206,12 +209,7 @@ def main_sessions(args) -> None:
            f"{len(under)} of {len(rows)}" + (f" ({', '.join(under)})" if under else "") + "."]
     text = "\n".join(md) + "\n"
     print(text)
-    out = Path(args.out or RESULTS / "copy_bound_sessions.json")
-    out.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "n_predict": args.n_predict,
-                               "peers": peers.name,
-                               "curves_ms": {m: {r: s * 1e3 for r, s in c.items()} for m, c in curves.items()},
-                               "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(text)
+    save(Path(args.out or RESULTS / "copy_bound_sessions.json"), args.n_predict, peers.name, curves, rows, text)
 
 
 if __name__ == "__main__":
